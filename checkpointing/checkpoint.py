@@ -1,0 +1,161 @@
+"""``checkpoint()``: activation recompute with exact random numbers, eagerly and in graphs.
+
+The signature is Transformer Engine's. Two paths:
+
+* reentrant (default): an autograd Function runs the forward without grad, saves only the
+  inputs, and in its backward recomputes with grad and calls ``torch.autograd.backward``.
+  ``torch.autograd.backward`` is what CUDA-graph capture of a backward must use too, since
+  this path refuses ``torch.autograd.grad`` (it cannot hand grads back through it);
+* non-reentrant: saved-tensor hooks drop every tensor the forward saves and recompute them
+  all on the first unpack.
+
+Both reproduce the forward's random numbers for the recompute (see ``recompute_state``).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import torch
+
+import rng
+
+from .distribute import gather_slices, keep_slice
+from .recompute_state import RecomputeState
+
+__all__ = ["checkpoint"]
+
+_GRAD_ERROR = (
+    "checkpoint(use_reentrant=True) was reached through torch.autograd.grad(), which it cannot "
+    "hand gradients back through. Call .backward() / torch.autograd.backward() instead, or use "
+    "checkpoint(..., use_reentrant=False)."
+)
+_NO_GRAD_OUTPUT_ERROR = (
+    "checkpoint(): no output of the checkpointed function requires grad, so its backward has "
+    "nothing to recompute. Make an input require grad, or call the function without checkpoint()."
+)
+
+
+def checkpoint(
+    function: Callable,
+    *args: Any,
+    use_reentrant: bool = True,
+    distribute_saved_activations: bool = False,
+    get_rng_state_tracker: Callable[[], Any] | None = None,
+    tp_group: Any = None,
+    context_fn: Callable[[], tuple[Any, Any]] | None = None,
+    **kwargs: Any,
+) -> Any:
+    """Run ``function(*args, **kwargs)`` without keeping its activations; recompute them in
+    the backward with the forward's exact random numbers.
+
+    Args:
+        function: the region to recompute. Tensor or tuple outputs; non-tensor args and
+            kwargs pass through.
+        use_reentrant: autograd-Function path (True) or saved-tensor-hooks path (False).
+        distribute_saved_activations: keep only this rank's 1/TP slice of the first input
+            between forward and backward (needs ``tp_group`` or the default group).
+        get_rng_state_tracker: returns the tracker whose streams the region forks (ours,
+            Megatron-core's, apex's or TE's: anything with get_states/set_states/fork);
+            defaults to ``rng.get_cuda_rng_tracker()``.
+        tp_group: tensor-parallel process group for ``distribute_saved_activations``.
+        context_fn: returns two context managers, entered around the forward and around
+            the recompute respectively.
+    """
+    if not torch.is_grad_enabled():
+        return function(*args, **kwargs)
+    tracker = get_rng_state_tracker() if get_rng_state_tracker is not None else rng.get_cuda_rng_tracker()
+    forward_context, recompute_context = context_fn() if context_fn is not None else (None, None)
+    state = RecomputeState(tracker)
+    if use_reentrant:
+        tensor_inputs = [a for a in args if isinstance(a, torch.Tensor)]
+        if not any(t.requires_grad for t in tensor_inputs):
+            raise ValueError(
+                "checkpoint(use_reentrant=True): no tensor argument requires grad, so no gradient "
+                "would reach the parameters used inside the function. Make an input require grad "
+                "or use use_reentrant=False."
+            )
+        spec = _Spec(function, kwargs, state, forward_context, recompute_context)
+        if distribute_saved_activations:
+            spec.tp_group = tp_group
+        outputs = _ReentrantCheckpoint.apply(spec, *args)
+        return outputs[0] if spec.single_output else outputs
+    if distribute_saved_activations:
+        raise ValueError(
+            "checkpoint(distribute_saved_activations=True) needs use_reentrant=True."
+        )
+    from .non_reentrant import run_without_reentrant
+
+    return run_without_reentrant(function, args, kwargs, state, forward_context, recompute_context)
+
+
+class _Spec:
+    """Everything the reentrant Function needs besides the tensors it saves."""
+
+    def __init__(self, function, kwargs, state, forward_context, recompute_context):
+        self.function = function
+        self.kwargs = kwargs
+        self.state = state
+        self.forward_context = forward_context
+        self.recompute_context = recompute_context
+        self.tp_group: Any = _NOT_DISTRIBUTED
+        self.single_output = False
+
+
+_NOT_DISTRIBUTED = object()
+
+
+def _enter(context):
+    return context if context is not None else contextlib.nullcontext()
+
+
+class _ReentrantCheckpoint(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, spec: _Spec, *args: Any) -> Any:
+        ctx.spec = spec
+        with torch.no_grad(), _enter(spec.forward_context), spec.state.forward():
+            outputs = spec.function(*args, **spec.kwargs)
+        spec.single_output = not isinstance(outputs, tuple)
+        tensors, ctx.layout = [], []
+        for index, arg in enumerate(args):
+            if isinstance(arg, torch.Tensor):
+                ctx.layout.append((True, arg.requires_grad))
+                if index == 0 and spec.tp_group is not _NOT_DISTRIBUTED:
+                    ctx.first_shape = arg.shape
+                    arg = keep_slice(arg, spec.tp_group)
+                tensors.append(arg)
+            else:
+                ctx.layout.append((False, arg))
+        ctx.save_for_backward(*tensors)
+        return (outputs,) if spec.single_output else outputs
+
+    @staticmethod
+    def backward(ctx, *grads: Any) -> Any:
+        if not torch.autograd._is_checkpoint_valid():
+            raise RuntimeError(_GRAD_ERROR)
+        spec = ctx.spec
+        saved = iter(ctx.saved_tensors)
+        inputs = []
+        for index, (is_tensor, value) in enumerate(ctx.layout):
+            if not is_tensor:
+                inputs.append(value)
+                continue
+            tensor = next(saved)
+            if index == 0 and spec.tp_group is not _NOT_DISTRIBUTED:
+                tensor = gather_slices(tensor, ctx.first_shape, spec.tp_group)
+            inputs.append(tensor.detach().requires_grad_(value))
+        with torch.enable_grad(), _enter(spec.recompute_context), spec.state.recompute():
+            outputs = spec.function(*inputs, **spec.kwargs)
+        if not isinstance(outputs, tuple):
+            outputs = (outputs,)
+        pairs = [
+            (o, g)
+            for o, g in zip(outputs, grads)
+            if isinstance(o, torch.Tensor) and o.requires_grad and g is not None
+        ]
+        if not pairs:
+            raise RuntimeError(_NO_GRAD_OUTPUT_ERROR)
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        return (None,) + tuple(
+            i.grad if isinstance(i, torch.Tensor) else None for i in inputs
+        )

@@ -1,0 +1,222 @@
+"""Named RNG streams (Megatron's CUDA RNG states tracker) and Megatron's seed derivation.
+
+Each named stream is either its own ``torch.Generator`` (graph-safe mode: ``fork`` swaps
+it into the default generator with ``graphsafe_set_state``, which is legal during CUDA
+graph capture) or a byte tensor (fallback mode: ``fork`` copies states in and out, the
+classic Megatron scheme; this is what CPU generators use).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Mapping
+
+import torch
+
+from .states import (
+    RNGState,
+    default_generator,
+    graph_safe_rng_available,
+    restore_generator,
+    snapshot_generator,
+    to_byte_state,
+    to_generator_state,
+)
+
+__all__ = [
+    "CudaRNGStatesTracker",
+    "get_cuda_rng_tracker",
+    "model_parallel_cuda_manual_seed",
+    "MODEL_PARALLEL_RNG",
+    "EXPERT_PARALLEL_RNG",
+]
+
+MODEL_PARALLEL_RNG = "model-parallel-rng"
+EXPERT_PARALLEL_RNG = "expert-parallel-rng"
+
+
+class CudaRNGStatesTracker:
+    """Named RNG streams that ``fork`` swaps in for the default generator.
+
+    Args:
+        device: device whose default generator ``fork`` replaces; ``None`` means CUDA
+            when available, else CPU.
+        graph_safe: keep each stream as its own ``torch.Generator``; ``None`` means yes
+            wherever the graph-safe API exists on CUDA, and the byte-tensor fallback
+            elsewhere.
+
+    ``get_states()`` returns copies (they do not move when the streams advance) and
+    ``set_states()`` copies states back in, so a snapshot restores the exact numbers.
+    """
+
+    def __init__(self, device: torch.device | str | None = None, graph_safe: bool | None = None):
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        if graph_safe is None:
+            graph_safe = self.device.type == "cuda" and graph_safe_rng_available()
+        if graph_safe and not (self.device.type == "cuda" and graph_safe_rng_available()):
+            raise ValueError(
+                "CudaRNGStatesTracker(graph_safe=True) needs CUDA and torch's graph-safe "
+                "generator API (torch >= 2.4); pass graph_safe=False for byte-tensor states."
+            )
+        self.graph_safe = graph_safe
+        self._states: dict[str, RNGState] = {}
+        self._seeds: dict[int, str] = {}
+
+    # -- bookkeeping ----------------------------------------------------------------
+    def reset(self) -> None:
+        """Forget every stream and seed."""
+        self._states = {}
+        self._seeds = {}
+
+    def is_initialized(self) -> bool:
+        """True once at least one stream was added."""
+        return bool(self._states)
+
+    def names(self) -> tuple[str, ...]:
+        """Names of the streams, in the order they were added."""
+        return tuple(self._states)
+
+    def add(self, name: str, seed: int) -> None:
+        """Add stream ``name`` seeded with ``seed``; names and seeds must be unique."""
+        if seed in self._seeds:
+            raise ValueError(
+                f"CudaRNGStatesTracker.add: seed {seed} is already used by stream "
+                f"'{self._seeds[seed]}'; give '{name}' a different seed."
+            )
+        if name in self._states:
+            raise ValueError(
+                f"CudaRNGStatesTracker.add: stream '{name}' already exists; call reset() "
+                "first or pick another name."
+            )
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(seed)
+        self._states[name] = generator if self.graph_safe else generator.get_state()
+        self._seeds[seed] = name
+
+    def get_states(self) -> dict[str, RNGState]:
+        """Copies of every stream's state (content that later draws do not move)."""
+        return {name: self._copy(state) for name, state in self._states.items()}
+
+    def set_states(self, states: Mapping[str, RNGState]) -> None:
+        """Restore streams from ``states`` (copies in; unknown names are added)."""
+        for name, state in states.items():
+            live = self._states.get(name)
+            if isinstance(live, torch.Generator):
+                restore_generator(live, state)
+            elif self.graph_safe:
+                self._states[name] = to_generator_state(state, self.device)
+            else:
+                self._states[name] = to_byte_state(state)
+
+    @contextlib.contextmanager
+    def fork(self, name: str = MODEL_PARALLEL_RNG) -> Iterator[None]:
+        """Draw from stream ``name`` instead of the default generator inside the block."""
+        if name not in self._states:
+            known = ", ".join(repr(n) for n in self._states) or "none"
+            raise KeyError(
+                f"CudaRNGStatesTracker.fork: no stream named {name!r} (known: {known}); "
+                "add it with tracker.add(name, seed) or model_parallel_cuda_manual_seed()."
+            )
+        generator = default_generator(self.device)
+        state = self._states[name]
+        if isinstance(state, torch.Generator):
+            previous = generator.graphsafe_get_state()
+            generator.graphsafe_set_state(state)
+            try:
+                yield
+            finally:
+                generator.graphsafe_set_state(previous)
+        else:
+            previous = generator.get_state()
+            generator.set_state(state)
+            try:
+                yield
+            finally:
+                self._states[name] = generator.get_state()
+                generator.set_state(previous)
+
+    # -- used by rng.capture: live generator objects, never copies ----------------------
+    def _live_generators(self) -> dict[str, torch.Generator]:
+        return {n: s for n, s in self._states.items() if isinstance(s, torch.Generator)}
+
+    def _replace_generators(self, replacements: Mapping[str, torch.Generator]) -> dict:
+        previous = {name: self._states[name] for name in replacements}
+        self._states.update(replacements)
+        return previous
+
+    def _copy(self, state: RNGState) -> RNGState:
+        if isinstance(state, torch.Generator):
+            return snapshot_generator(state, graph_safe=True)
+        return state.clone()
+
+
+_TRACKER: CudaRNGStatesTracker | None = None
+
+
+def get_cuda_rng_tracker() -> CudaRNGStatesTracker:
+    """The process-wide tracker (created on first use, on CUDA when available)."""
+    global _TRACKER
+    if _TRACKER is None:
+        _TRACKER = CudaRNGStatesTracker()
+    return _TRACKER
+
+
+def model_parallel_cuda_manual_seed(
+    seed: int,
+    tp_rank: int | None = None,
+    ep_rank: int | None = None,
+    etp_rank: int | None = None,
+    *,
+    tracker: CudaRNGStatesTracker | None = None,
+) -> None:
+    """Seed the default generator and the tracker's streams the way Megatron does.
+
+    * default generator (data-parallel stream): ``seed``, identical on every TP rank;
+    * ``'model-parallel-rng'``: ``seed + 2718 + tp_rank``, different on every TP rank;
+    * ``'expert-parallel-rng'``: ``seed + 1024 + 100 * ep_rank + etp_rank``.
+
+    Ranks default to 0 (one rank of each kind).
+    """
+    tracker = tracker if tracker is not None else get_cuda_rng_tracker()
+    tp_rank = tp_rank or 0
+    ep_rank = ep_rank or 0
+    etp_rank = etp_rank or 0
+    tensor_parallel_seed = seed + 2718 + tp_rank
+    expert_parallel_seed = seed + 1024 + 100 * ep_rank + etp_rank
+    tracker.reset()
+    default_generator(tracker.device).manual_seed(seed)
+    tracker.add(MODEL_PARALLEL_RNG, tensor_parallel_seed)
+    tracker.add(EXPERT_PARALLEL_RNG, expert_parallel_seed)
+
+
+def snapshot_tracker_states(tracker: object) -> dict[str, RNGState]:
+    """Content copies of every stream of any tracker (ours, Megatron-core's, apex's, TE's).
+
+    Duck-typed graph-safe trackers return live references from ``get_states()``; copying
+    them here is what makes a later restore rewind the Philox offset.
+    """
+    states = tracker.get_states()
+    if isinstance(tracker, CudaRNGStatesTracker):
+        return states  # already copies
+    return {
+        name: snapshot_generator(s, graph_safe=True) if isinstance(s, torch.Generator) else s.clone()
+        for name, s in states.items()
+    }
+
+
+def restore_tracker_states(tracker: object, states: Mapping[str, RNGState]) -> None:
+    """Copy ``states`` into any tracker's streams, keeping their generator objects."""
+    if isinstance(tracker, CudaRNGStatesTracker):
+        tracker.set_states(states)
+        return
+    live = tracker.get_states()  # references, for duck-typed graph-safe trackers
+    byte_states = {}
+    for name, state in states.items():
+        if isinstance(live.get(name), torch.Generator):
+            restore_generator(live[name], state)
+        else:
+            byte_states[name] = to_byte_state(state)
+    if byte_states:
+        # Megatron-style set_states() replaces the whole dict: hand it every stream.
+        tracker.set_states({**live, **byte_states})

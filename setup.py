@@ -1,0 +1,22 @@
+"""Packaging for te-graph: the `te_graph`, `checkpointing` and `rng` packages."""
+from setuptools import setup
+
+setup(
+    name="te-graph",
+    version="0.1.0",
+    description=(
+        "Per-layer CUDA graphs for Megatron-style training, with activation recompute "
+        "inside the graphs and exact dropout randomness."
+    ),
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=["te_graph", "checkpointing", "rng"],
+    python_requires=">=3.10",
+    install_requires=["torch>=2.4"],
+    extras_require={
+        "test": ["pytest>=7", "pytest-xdist>=3"],
+        "bench": ["tabulate>=0.9"],
+        "examples": ["tqdm>=4", "matplotlib>=3.5"],
+        "docs": [],
+    },
+)
