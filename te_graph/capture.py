@@ -1,0 +1,256 @@
+"""Warmup and capture: the algorithm, told top to bottom.
+
+1. Warmup, on the side stream later used for capture: ``num_warmup_iters`` passes of the
+   schedule (forwards and backwards in run order) so lazy initialisation (cuBLAS handles,
+   autotuning, allocator growth) happens outside any graph. Gradients go to throwaway
+   ``.grad``s; the last pass also records which random streams each checkpointed region
+   draws from (``rng.graph_streams``).
+2. Recompute generators are allocated for those regions (never during capture).
+3. Capture, in run order, into one memory pool: each forward graph, then each backward
+   graph, which runs ``torch.autograd.backward`` with input grads redirected and
+   parameter grads accumulated in place into their persistent buffers (``grads``).
+4. ``finally``: RNG states, ``.grad``s and the garbage collector are put back, so a failed
+   capture leaves the process and the model as they were, and a successful one shifts no
+   user numerics.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.utils._pytree as pytree
+
+import rng
+from rng import graph_streams
+
+from .grads import ParamGrads, grads_redirected
+from .layout import InputLayout, OutputLayout
+
+_graph_ordinal = itertools.count()
+
+
+@dataclass
+class GraphSpec:
+    """One graph pair to capture: a callable with one set of static inputs."""
+
+    name: str
+    func: Callable  # what the user passed (module or function)
+    call: Callable  # what runs: the function, or the module's own forward (kept if replaced)
+    layout: InputLayout
+    static_inputs: tuple[torch.Tensor, ...]
+    params: tuple[torch.Tensor, ...]
+    training: bool
+    needs_backward: bool
+    # Filled by capture():
+    output: OutputLayout | None = None
+    fwd_graph: Any = None
+    bwd_graph: Any = None
+    static_grad_outputs: tuple = ()
+    static_grad_inputs: tuple = ()
+    static_param_grads: tuple = ()
+    param_grads: ParamGrads | None = None
+    rng: graph_streams.GraphRNG | None = None
+    logs: tuple = field(default=(), repr=False)
+
+    @property
+    def grad_inputs(self) -> tuple[torch.Tensor, ...]:
+        return tuple(t for t in self.static_inputs if t.requires_grad)
+
+
+def make_spec(name: str, func: Callable, args: Sequence, kwargs: dict, grad_enabled: bool) -> GraphSpec:
+    """Static inputs are detached leaves sharing the sample tensors' memory."""
+    layout = InputLayout(name, args, kwargs)
+    static = tuple(t.detach().requires_grad_(t.requires_grad) for t in layout.samples)
+    params: tuple = ()
+    training = True
+    if isinstance(func, torch.nn.Module):
+        params = tuple(p for p in func.parameters() if p.requires_grad)
+        training = func.training
+    needs_backward = (
+        grad_enabled and training and (any(t.requires_grad for t in static) or bool(params))
+    )
+    call = func.forward if isinstance(func, torch.nn.Module) else func
+    return GraphSpec(name, func, call, layout, static, params, training, needs_backward)
+
+
+def _differentiable(outputs: Any) -> list[torch.Tensor]:
+    return [o for o in pytree.tree_leaves(outputs) if isinstance(o, torch.Tensor) and o.requires_grad]
+
+
+def _rng_snapshot(tracker: Any) -> tuple:
+    cuda = rng.get_rng_state("cuda") if torch.cuda.is_available() else None
+    states = rng.snapshot_tracker_states(tracker) if tracker is not None else None
+    return torch.get_rng_state(), cuda, states
+
+
+def _rng_restore(tracker: Any, snapshot: tuple) -> None:
+    cpu, cuda, states = snapshot
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        rng.set_rng_state(cuda, "cuda")
+    if states is not None:
+        rng.restore_tracker_states(tracker, states)
+
+
+def capture(
+    specs: Sequence[GraphSpec],
+    steps: Sequence[tuple[str, int]],
+    *,
+    num_warmup_iters: int,
+    allow_unused_input: bool,
+    retain_graph_in_backward: bool,
+    accumulate_grads_in_graph: bool,
+    pool: Any,
+    tracker: Any,
+    eager_replay: bool,
+) -> None:
+    """Warm up and (unless ``eager_replay``) capture every spec, filling it in place."""
+    snapshot = _rng_snapshot(tracker)
+    gc_enabled = gc.isenabled()
+    stream = None
+    try:
+        if not eager_replay:
+            torch.cuda.synchronize()
+            gc.collect()
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+        # A collection during capture could free a graph or tensor another capture uses.
+        gc.disable()
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            _warmup(specs, steps, num_warmup_iters, allow_unused_input, tracker, record=not eager_replay)
+            if eager_replay:
+                return
+            device = torch.device("cuda", torch.cuda.current_device())
+            for spec in specs:
+                forward_log, backward_log = spec.logs
+                spec.rng = graph_streams.GraphRNG.create(
+                    forward_log, backward_log, next(_graph_ordinal), device
+                )
+                spec.logs = ()
+            mempool = pool if pool is not None else torch.cuda.graph_pool_handle()
+            for kind, index in steps:
+                spec = specs[index]
+                if kind == "forward":
+                    _capture_forward(spec, mempool)
+                elif spec.needs_backward:
+                    _capture_backward(spec, mempool, retain_graph_in_backward, accumulate_grads_in_graph)
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+    finally:
+        if gc_enabled:
+            gc.enable()
+        _rng_restore(tracker, snapshot)
+
+
+def _warmup(specs, steps, iters: int, allow_unused_input: bool, tracker: Any, record: bool) -> None:
+    device = torch.device("cuda", torch.cuda.current_device()) if record else None
+    for iteration in range(iters):
+        recording = record and iteration == iters - 1
+        outputs: dict[int, Any] = {}
+        logs: dict[tuple[str, int], Any] = {}
+        for kind, index in steps:
+            spec = specs[index]
+            if kind == "forward":
+                args, kwargs = spec.layout.unflatten(spec.static_inputs)
+                with _recording(recording, tracker, device) as log, _grad_mode(spec):
+                    outputs[index] = spec.call(*args, **kwargs)
+                logs[kind, index] = log
+                if spec.output is None:
+                    spec.output = OutputLayout(outputs[index])  # the capture replaces it
+                continue
+            if not spec.needs_backward:
+                continue
+            out = _differentiable(outputs.pop(index))
+            with grads_redirected(spec.grad_inputs, spec.params):
+                with _recording(recording, tracker, device) as log:
+                    if out:
+                        torch.autograd.backward(out, [torch.empty_like(o) for o in out])
+                if iteration == 0:
+                    _check_unused(spec, allow_unused_input)
+            logs[kind, index] = log
+        if recording:
+            for index, spec in enumerate(specs):
+                no_backward = graph_streams.RegionLog({})
+                spec.logs = (logs["forward", index], logs.get(("backward", index), no_backward))
+
+
+@contextlib.contextmanager
+def _recording(enabled: bool, tracker: Any, device):
+    if not enabled:
+        yield None
+        return
+    with graph_streams.recording_regions(tracker, device) as log:
+        yield log
+
+
+def _grad_mode(spec: GraphSpec):
+    return contextlib.nullcontext() if spec.needs_backward else torch.no_grad()
+
+
+def _check_unused(spec: GraphSpec, allow_unused_input: bool) -> None:
+    if allow_unused_input:
+        return
+    for index, t in enumerate(spec.static_inputs):
+        if t.requires_grad and t.grad is None:
+            raise ValueError(
+                f"make_graphed_callables: input {index} of {spec.name} requires grad, but no "
+                "output depends on it. Pass allow_unused_input=True, or pass it with "
+                "requires_grad=False."
+            )
+
+
+def _register_generators(graph: Any, generators: Sequence[torch.Generator]) -> None:
+    if generators and rng.generator_registration_required():
+        for generator in generators:
+            graph.register_generator_state(generator)
+
+
+def _capture_forward(spec: GraphSpec, mempool: Any) -> None:
+    graph = torch.cuda.CUDAGraph()
+    _register_generators(graph, spec.rng.generators_to_register("forward"))
+    args, kwargs = spec.layout.unflatten(spec.static_inputs)
+    graph.capture_begin(pool=mempool, capture_error_mode="thread_local")
+    try:
+        with spec.rng.capturing_forward(), _grad_mode(spec):
+            outputs = spec.call(*args, **kwargs)
+    finally:
+        graph.capture_end()
+    spec.output = OutputLayout(outputs)
+    spec.fwd_graph = graph
+
+
+def _capture_backward(spec: GraphSpec, mempool: Any, retain_graph: bool, in_graph: bool) -> None:
+    outputs = spec.output.tensors
+    spec.static_grad_outputs = tuple(torch.empty_like(o) if o.requires_grad else None for o in outputs)
+    differentiable = [o for o in outputs if o.requires_grad]
+    grads = [g for g in spec.static_grad_outputs if g is not None]
+    if in_graph:
+        spec.param_grads = ParamGrads(spec.params)
+        buffers = spec.param_grads.buffers
+    else:
+        buffers = None
+    graph = torch.cuda.CUDAGraph()
+    _register_generators(graph, spec.rng.generators_to_register("backward"))
+    with grads_redirected(spec.grad_inputs, spec.params, buffers):
+        graph.capture_begin(pool=mempool, capture_error_mode="thread_local")
+        try:
+            if differentiable:
+                torch.autograd.backward(differentiable, grads, retain_graph=retain_graph)
+        finally:
+            graph.capture_end()
+        spec.static_grad_inputs = tuple(t.grad if t.requires_grad else None for t in spec.static_inputs)
+        if in_graph:
+            for p, b in zip(spec.params, buffers):
+                if p.grad is not b:
+                    raise RuntimeError(
+                        f"make_graphed_callables: autograd replaced the gradient of a parameter of "
+                        f"{spec.name} instead of accumulating into it during capture. Pass "
+                        "accumulate_grads_in_graph=False."
+                    )
+        else:
+            spec.static_param_grads = tuple(p.grad for p in spec.params)
+    spec.bwd_graph = graph

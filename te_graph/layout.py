@@ -1,0 +1,133 @@
+"""How a graphed callable's arguments map onto its static input tensors, and its static
+output tensors back onto what it returns. Pure Python (no CUDA calls): CPU tests cover it.
+
+The replay path calls ``InputLayout.flatten`` and ``OutputLayout.build`` on every call, so
+both have a fast path for the common Megatron shape: positional tensors, keyword tensors
+or constants, and a flat tuple (or single tensor) out.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.utils._pytree as pytree
+
+__all__ = ["InputLayout", "OutputLayout", "describe"]
+
+
+def describe(t: torch.Tensor) -> str:
+    """``shape/dtype/device`` of a tensor, for error messages."""
+    return f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
+
+
+class InputLayout:
+    """Positional args (pytrees of tensors) and keyword args (tensors or constants).
+
+    The tensors, positional first then keyword in a fixed key order, are the graph's
+    static inputs. Non-tensor keyword values are part of the capture: at replay they must
+    equal their capture-time values.
+    """
+
+    def __init__(self, name: str, args: Sequence[Any], kwargs: Mapping[str, Any]):
+        self.name = name
+        leaves, self.args_spec = pytree.tree_flatten(tuple(args))
+        for index, leaf in enumerate(leaves):
+            if not isinstance(leaf, torch.Tensor):
+                raise TypeError(
+                    f"make_graphed_callables: positional sample arg {index} of {name} is a "
+                    f"{type(leaf).__name__}; positional sample args must be tensors (pytrees "
+                    "of tensors). Pass constants as sample_kwargs instead."
+                )
+        self.flat_args = self.args_spec == pytree.tree_flatten(tuple(leaves))[1]
+        self.num_args = len(leaves)
+        self.kw_keys = tuple(kwargs)
+        self.tensor_keys = tuple(k for k in self.kw_keys if isinstance(kwargs[k], torch.Tensor))
+        self.constants = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
+        self.samples: tuple[torch.Tensor, ...] = tuple(leaves) + tuple(
+            kwargs[k] for k in self.tensor_keys
+        )
+        self._meta = tuple((t.shape, t.dtype, t.device) for t in self.samples)
+
+    def flatten(self, args: tuple, kwargs: Mapping[str, Any]) -> list[torch.Tensor]:
+        """The call's tensors in static-input order, after checking they fit the capture."""
+        if self.flat_args and len(args) == self.num_args:
+            tensors = list(args)
+        else:
+            leaves, spec = pytree.tree_flatten(tuple(args))
+            if spec != self.args_spec:
+                raise ValueError(
+                    f"{self.name}: positional arguments have structure {spec}, but the graph was "
+                    f"captured with {self.args_spec}; pass arguments as in sample_args."
+                )
+            tensors = leaves
+        if len(kwargs) != len(self.kw_keys) or any(k not in kwargs for k in self.kw_keys):
+            raise ValueError(
+                f"{self.name}: called with keyword arguments {sorted(kwargs)}, but the graph was "
+                f"captured with {sorted(self.kw_keys)}; pass the same keywords as sample_kwargs."
+            )
+        for key, value in self.constants.items():
+            now = kwargs[key]
+            if now is not value and (isinstance(now, torch.Tensor) or now != value):
+                raise ValueError(
+                    f"{self.name}: keyword argument {key!r} is {now!r} but was {value!r} at "
+                    "capture; non-tensor keyword arguments are baked into the graph. Capture "
+                    "another graph for the other value."
+                )
+        tensors.extend(kwargs[k] for k in self.tensor_keys)
+        for index, (t, (shape, dtype, device)) in enumerate(zip(tensors, self._meta)):
+            if not isinstance(t, torch.Tensor) or t.shape != shape or t.dtype != dtype or t.device != device:
+                raise self._mismatch(index, t)
+        return tensors
+
+    def unflatten(self, tensors: Sequence[torch.Tensor]) -> tuple[tuple, dict]:
+        """Inverse of ``flatten``: call arguments built from static-input tensors."""
+        args = pytree.tree_unflatten(list(tensors[: self.num_args]), self.args_spec)
+        kwargs = dict(self.constants)
+        kwargs.update(zip(self.tensor_keys, tensors[self.num_args :]))
+        return args, {k: kwargs[k] for k in self.kw_keys}
+
+    def _mismatch(self, index: int, t: Any) -> ValueError:
+        label = (
+            f"positional input {index}"
+            if index < self.num_args
+            else f"keyword argument {self.tensor_keys[index - self.num_args]!r}"
+        )
+        got = describe(t) if isinstance(t, torch.Tensor) else type(t).__name__
+        return ValueError(
+            f"{self.name}: {label} has {got}, but the graph was captured with "
+            f"{describe(self.samples[index])}. A graph replays fixed shapes: pass a matching "
+            "tensor or capture a graph for this shape."
+        )
+
+
+class OutputLayout:
+    """What the callable returned at capture: its tensors become static outputs."""
+
+    def __init__(self, outputs: Any):
+        leaves, self.spec = pytree.tree_flatten(outputs)
+        self.tensor_slots = tuple(i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor))
+        self.leaves = list(leaves)
+        self.single = isinstance(outputs, torch.Tensor)
+        self.flat_tuple = isinstance(outputs, tuple) and self.spec == pytree.tree_flatten(tuple(leaves))[1]
+        self.tensors: tuple[torch.Tensor, ...] = tuple(leaves[i] for i in self.tensor_slots)
+
+    def tensors_of(self, outputs: Any) -> tuple[torch.Tensor, ...]:
+        """The tensors of a later call's return value (same structure as at capture)."""
+        leaves, spec = pytree.tree_flatten(outputs)
+        if spec != self.spec:
+            raise ValueError(
+                f"graphed callable returned structure {spec}, but {self.spec} at capture; a "
+                "graphed callable must return the same structure every call."
+            )
+        return tuple(leaves[i] for i in self.tensor_slots)
+
+    def build(self, tensors: Sequence[torch.Tensor]) -> Any:
+        """The callable's return value with ``tensors`` in place of the captured ones."""
+        if self.single:
+            return tensors[0]
+        leaves = list(self.leaves)
+        for slot, t in zip(self.tensor_slots, tensors):
+            leaves[slot] = t
+        if self.flat_tuple:
+            return tuple(leaves)
+        return pytree.tree_unflatten(leaves, self.spec)

@@ -1,0 +1,44 @@
+"""Test setup: the ``gpu`` marker, per-worker GPU pinning under xdist, RNG reset."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+# Tests import the shared Megatron-style layers from examples/.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import rng  # noqa: E402
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
+    if torch.cuda.is_available():
+        # Under pytest-xdist, worker gwN takes cuda:(N % device count), so `-n <gpus>`
+        # spreads the suite over the GPUs.
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+        index = int(worker[2:]) if worker[2:].isdigit() else 0
+        torch.cuda.set_device(index % torch.cuda.device_count())
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device; this machine has none")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def fresh_rng():
+    """Every test starts from seed 0 and an empty global tracker."""
+    torch.manual_seed(0)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(0)
+    tracker = rng.get_cuda_rng_tracker()
+    tracker.reset()
+    yield
+    tracker.reset()
