@@ -48,6 +48,8 @@ __all__ = [
     "capture_region",
     "RecomputeStreams",
     "GraphRNG",
+    "next_graph_ordinal",
+    "reset_graph_ordinals",
 ]
 
 DEFAULT_STREAM = "<default>"
@@ -163,6 +165,23 @@ def region_end(token: dict[str, int] | None) -> None:
 
 
 # -- capture and replay ---------------------------------------------------------------------
+_next_ordinal = 0
+
+
+def next_graph_ordinal() -> int:
+    """Position of the next graphed callable since the last reseed (part of its seeds)."""
+    global _next_ordinal
+    _next_ordinal += 1
+    return _next_ordinal - 1
+
+
+def reset_graph_ordinals() -> None:
+    """Called on reseeding, so the same seed and program give the same recompute streams
+    even when an earlier capture in the process came before."""
+    global _next_ordinal
+    _next_ordinal = 0
+
+
 def _derived_seed(base_seed: int, stream: str, ordinal: int, region: int) -> int:
     text = f"te-graph:{base_seed}:{stream}:{ordinal}:{region}".encode()
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1

@@ -12,6 +12,7 @@ from typing import Iterator, Mapping
 
 import torch
 
+from .graph_streams import reset_graph_ordinals
 from .states import (
     RNGState,
     default_generator,
@@ -185,6 +186,7 @@ def model_parallel_cuda_manual_seed(
     tensor_parallel_seed = seed + 2718 + tp_rank
     expert_parallel_seed = seed + 1024 + 100 * ep_rank + etp_rank
     tracker.reset()
+    reset_graph_ordinals()
     default_generator(tracker.device).manual_seed(seed)
     tracker.add(MODEL_PARALLEL_RNG, tensor_parallel_seed)
     tracker.add(EXPERT_PARALLEL_RNG, expert_parallel_seed)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -29,9 +28,6 @@ from rng import graph_streams
 
 from .grads import ParamGrads, grads_redirected
 from .layout import InputLayout, OutputLayout
-
-_graph_ordinal = itertools.count()
-
 
 @dataclass
 class GraphSpec:
@@ -128,7 +124,7 @@ def capture(
             for spec in specs:
                 forward_log, backward_log = spec.logs
                 spec.rng = graph_streams.GraphRNG.create(
-                    forward_log, backward_log, next(_graph_ordinal), device
+                    forward_log, backward_log, graph_streams.next_graph_ordinal(), device
                 )
                 spec.logs = ()
             mempool = pool if pool is not None else torch.cuda.graph_pool_handle()

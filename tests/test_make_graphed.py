@@ -1,0 +1,207 @@
+"""make_graphed_callables: graphed training equals eager training bitwise (GPU), the
+eager-replay mode equals the plain module (CPU), and the lifecycle rules hold."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from te_graph import make_graphed_callables
+from tests.graph_helpers import (
+    Stack,
+    assert_all_equal,
+    clone_modules,
+    make_blocks,
+    run_layers,
+    sample_like,
+    train_steps,
+)
+from examples.gpt import causal_mask
+
+SHAPE = (16, 2, 64)  # [s, b, h]
+
+
+def _inputs(n, device, dtype):
+    g = torch.Generator(device="cpu").manual_seed(7)
+    return [torch.randn(SHAPE, generator=g).to(device=device, dtype=dtype) for _ in range(n)]
+
+
+def _compare_training(device, dtype, as_stack, recompute=False, use_reentrant=True, eager_replay=False):
+    blocks = make_blocks(device=device, dtype=dtype, recompute=recompute, use_reentrant=use_reentrant)
+    reference = clone_modules(blocks)
+    if as_stack:
+        graphed = [Stack(blocks)]
+        eager = [Stack(reference)]
+        sample = ((torch.randn(SHAPE, device=device, dtype=dtype, requires_grad=True),),)
+        graphed = [make_graphed_callables(graphed[0], sample[0], eager_replay=eager_replay)]
+    else:
+        sample = tuple((torch.randn(SHAPE, device=device, dtype=dtype, requires_grad=True),) for _ in blocks)
+        graphed = list(make_graphed_callables(tuple(blocks), sample, eager_replay=eager_replay))
+        eager = reference
+    params_g = [p for m in graphed for p in m.parameters()]
+    params_e = [p for m in eager for p in m.parameters()]
+    inputs = _inputs(6, device, dtype)
+    out_g, gx_g, w_g = train_steps(graphed, params_g, inputs)
+    out_e, gx_e, w_e = train_steps(eager, params_e, inputs)
+    assert_all_equal(out_g, out_e, "output")
+    assert_all_equal(gx_g, gx_e, "input grad")
+    assert_all_equal([p.grad for p in params_g], [p.grad for p in params_e], "param grad")
+    assert_all_equal(w_g, w_e, "weight after 3 SGD steps")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("as_stack", [False, True], ids=["per-layer", "stack"])
+def test_graphed_training_equals_eager(dtype, as_stack):
+    _compare_training("cuda", dtype, as_stack)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("as_stack", [False, True], ids=["per-layer", "stack"])
+def test_graphed_training_with_recompute_equals_eager(dtype, as_stack, use_reentrant):
+    _compare_training("cuda", dtype, as_stack, recompute=True, use_reentrant=use_reentrant)
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["plain", "recompute"])
+@pytest.mark.parametrize("as_stack", [False, True], ids=["per-layer", "stack"])
+def test_eager_replay_equals_plain_module_on_cpu(as_stack, recompute):
+    _compare_training("cpu", torch.float32, as_stack, recompute=recompute, eager_replay=True)
+
+
+def _mask_test(device, eager_replay):
+    blocks = make_blocks(device=device)
+    reference = clone_modules(blocks)
+    mask = causal_mask(SHAPE[0], device)
+    sample = tuple((torch.randn(SHAPE, device=device, requires_grad=True),) for _ in blocks)
+    kwargs = tuple({"attention_mask": mask.clone()} for _ in blocks)
+    graphed = make_graphed_callables(tuple(blocks), sample, sample_kwargs=kwargs, eager_replay=eager_replay)
+    g = torch.Generator(device="cpu").manual_seed(3)
+    for step in range(3):
+        # A different mask at every replay: random extra masked positions on top of causal.
+        mask_now = mask | (torch.rand(1, 1, *SHAPE[:1] * 2, generator=g) < 0.2).to(device)
+        mask_now[..., 0] = False  # every query keeps one key
+        x = torch.randn(SHAPE, generator=g).to(device).requires_grad_(True)
+        y = run_layers(graphed, x, attention_mask=mask_now)
+        y.sum().backward()
+        x_ref = x.detach().clone().requires_grad_(True)
+        y_ref = run_layers(reference, x_ref, attention_mask=mask_now)
+        y_ref.sum().backward()
+        assert torch.equal(y, y_ref), f"step {step}: outputs differ"
+        assert torch.equal(x.grad, x_ref.grad), f"step {step}: input grads differ"
+
+
+@pytest.mark.gpu
+def test_attention_mask_kwarg_changes_every_replay():
+    _mask_test("cuda", eager_replay=False)
+
+
+def test_attention_mask_kwarg_eager_replay_cpu():
+    _mask_test("cpu", eager_replay=True)
+
+
+def _eval_test(device, eager_replay):
+    blocks = make_blocks(device=device, dropout=0.1)
+    reference = clone_modules(blocks)
+    for b in blocks + reference:
+        b.eval()
+    sample = tuple((torch.randn(SHAPE, device=device),) for _ in blocks)
+    graphed = make_graphed_callables(tuple(blocks), sample, eager_replay=eager_replay)
+    assert all(g is b for g, b in zip(graphed, blocks)), "modules keep their identity"
+    x = torch.randn(SHAPE, device=device)
+    y = run_layers(graphed, x)
+    assert torch.equal(y, run_layers(reference, x))
+    assert not y.requires_grad, "eval capture makes forward-only graphs"
+    # Back in train mode the module runs its eager forward (dropout 0.1 under the tracker).
+    for b in blocks + reference:
+        b.train()
+    import rng
+
+    rng.model_parallel_cuda_manual_seed(99)
+    y_train = run_layers(graphed, x)
+    rng.model_parallel_cuda_manual_seed(99)
+    y_ref = run_layers(reference, x)
+    assert torch.equal(y_train, y_ref)
+    assert not torch.equal(y_train, y), "train mode ran with dropout, not the eval graph"
+
+
+@pytest.mark.gpu
+def test_eval_capture_makes_forward_only_graphs():
+    _eval_test("cuda", eager_replay=False)
+
+
+def test_eval_capture_eager_replay_cpu():
+    _eval_test("cpu", eager_replay=True)
+
+
+class _TwoInputs(torch.nn.Module):
+    def __init__(self, device):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8, device=device)
+
+    def forward(self, x, unused):
+        return self.lin(x)
+
+
+def _unused_test(device, eager_replay):
+    module = _TwoInputs(device)
+    sample = (torch.randn(4, 8, device=device, requires_grad=True), torch.randn(4, 8, device=device, requires_grad=True))
+    forward_before = module.forward
+    with pytest.raises(ValueError, match=r"input 1 of callable 0 \(_TwoInputs\) requires grad, but no output depends on it\. Pass allow_unused_input=True"):
+        make_graphed_callables(module, sample, eager_replay=eager_replay)
+    assert module.forward == forward_before, "a failed capture leaves the module as it was"
+    assert all(p.grad is None for p in module.parameters()), "a failed capture leaves grads as they were"
+    graphed = make_graphed_callables(module, sample, allow_unused_input=True, eager_replay=eager_replay)
+    x = torch.randn(4, 8, device=device, requires_grad=True)
+    u = torch.randn(4, 8, device=device, requires_grad=True)
+    y = graphed(x, u)
+    y.sum().backward()
+    assert u.grad is None
+    x_ref = x.detach().clone().requires_grad_(True)
+    module.lin(x_ref).sum().backward()
+    assert torch.equal(x.grad, x_ref.grad)
+
+
+@pytest.mark.gpu
+def test_unused_input_needs_allow_unused_input():
+    _unused_test("cuda", eager_replay=False)
+
+
+def test_unused_input_needs_allow_unused_input_eager_replay_cpu():
+    _unused_test("cpu", eager_replay=True)
+
+
+@pytest.mark.gpu
+def test_stale_backward_is_refused():
+    blocks = make_blocks(n=1, device="cuda")
+    sample = ((torch.randn(SHAPE, device="cuda", requires_grad=True),),)
+    (graphed,) = make_graphed_callables(tuple(blocks), sample)
+    x1 = torch.randn(SHAPE, device="cuda", requires_grad=True)
+    y1, _ = graphed(x1)
+    y2, _ = graphed(torch.randn(SHAPE, device="cuda", requires_grad=True))
+    with pytest.raises(RuntimeError, match="a later forward replay of the same graph has overwritten"):
+        y1.sum().backward()
+
+
+@pytest.mark.gpu
+def test_set_to_none_and_leaf_inputs_get_their_own_grads():
+    """zero_grad(set_to_none=True) between steps, and a leaf input's .grad is a copy that the
+    next replay does not overwrite (PyTorch issue 181723)."""
+    blocks = make_blocks(n=2, device="cuda")
+    reference = clone_modules(blocks)
+    sample = tuple((torch.randn(SHAPE, device="cuda", requires_grad=True),) for _ in blocks)
+    graphed = make_graphed_callables(tuple(blocks), sample)
+    params_g = [p for b in graphed for p in b.parameters()]
+    params_e = [p for b in reference for p in b.parameters()]
+    kept = []
+    for step in range(3):
+        for p in params_g + params_e:
+            p.grad = None
+        x = torch.randn(SHAPE, device="cuda", requires_grad=True)
+        run_layers(graphed, x).sum().backward()
+        x_ref = x.detach().clone().requires_grad_(True)
+        run_layers(reference, x_ref).sum().backward()
+        kept.append((x.grad, x_ref.grad.clone()))
+        assert_all_equal([p.grad for p in params_g], [p.grad for p in params_e], f"step {step} param grad")
+    for step, (grad, expected) in enumerate(kept):
+        assert torch.equal(grad, expected), f"leaf grad of step {step} was overwritten by a later replay"

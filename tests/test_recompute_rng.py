@@ -1,0 +1,263 @@
+"""The RNG contract for recompute (DESIGN.md, "RNG under recompute"), proven through three
+paths that share one test: plain eager ``checkpoint``, te_graph's eager-replay mode, and
+CUDA graphs with the recompute inside the backward graph."""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import rng
+from checkpointing import checkpoint
+from te_graph import make_graphed_callables
+
+P = 0.5
+SHAPE = (64, 4, 32)
+VARIANTS = ["default", "tracker", "both", "nested", "two_regions", "outside"]
+
+
+class MegatronStyleTracker:
+    """A duck-typed graph-safe tracker the way Megatron-core writes one: generator states,
+    get_states() hands out references, set_states() stores what it is given."""
+
+    def __init__(self):
+        self.states_ = {}
+
+    def add(self, name, seed):
+        g = torch.Generator(device="cuda")
+        g.manual_seed(seed)
+        self.states_[name] = g
+
+    def get_states(self):
+        return dict(self.states_)
+
+    def set_states(self, states):
+        self.states_ = states
+
+    @contextlib.contextmanager
+    def fork(self, name="model-parallel-rng"):
+        default = torch.cuda.default_generators[torch.cuda.current_device()]
+        previous = default.graphsafe_get_state()
+        default.graphsafe_set_state(self.states_[name])
+        try:
+            yield
+        finally:
+            default.graphsafe_set_state(previous)
+
+
+class MaskLayer(nn.Module):
+    """Dropout p=0.5 inside checkpointed regions; the zero pattern of the output is the
+    mask, and so is the zero pattern of the input grad when the recompute is exact."""
+
+    def __init__(self, variant, get_tracker, device):
+        super().__init__()
+        self.variant = variant
+        self.get_tracker = get_tracker
+        self.scale = nn.Parameter(torch.ones((), device=device))
+
+    def _default(self, x):
+        return F.dropout(x * self.scale, P)
+
+    def _tracker(self, x):
+        with self.get_tracker().fork():
+            return F.dropout(x * self.scale, P)
+
+    def _both(self, x):
+        x = F.dropout(x * self.scale, P)
+        with self.get_tracker().fork():
+            return F.dropout(x, P)
+
+    def _nested(self, x):
+        tracker = self.get_tracker()
+        with tracker.fork("model-parallel-rng"):
+            x = F.dropout(x * self.scale, P)
+            with tracker.fork("expert-parallel-rng"):
+                x = F.dropout(x, P)
+            return F.dropout(x, P)
+
+    def _region(self, fn, x):
+        return checkpoint(fn, x, get_rng_state_tracker=self.get_tracker)
+
+    def forward(self, x):
+        if self.variant == "two_regions":
+            return self._region(self._tracker, self._region(self._default, x))
+        if self.variant == "outside":
+            return F.dropout(self._region(self._both, x), P)
+        return self._region(getattr(self, "_" + self.variant), x)
+
+
+def _tracker_factory(kind):
+    if kind == "ours":
+        return rng.get_cuda_rng_tracker
+    tracker = MegatronStyleTracker()
+    return lambda: tracker
+
+
+def _seed(seed, get_tracker, tp_rank=0):
+    tracker = get_tracker()
+    if isinstance(tracker, rng.CudaRNGStatesTracker):
+        rng.model_parallel_cuda_manual_seed(seed, tp_rank=tp_rank)
+        return
+    torch.cuda.manual_seed(seed)
+    tracker.states_ = {}
+    tracker.add("model-parallel-rng", seed + 2718 + tp_rank)
+    tracker.add("expert-parallel-rng", seed + 1024)
+    rng.graph_streams.reset_graph_ordinals()
+
+
+def _build(mode, device, get_tracker, variants, seed=0, tp_rank=0, **graph_kwargs):
+    _seed(seed, get_tracker, tp_rank)
+    layers = [MaskLayer(v, get_tracker, device) for v in variants]
+    if mode == "eager":
+        return layers
+    sample = tuple((torch.randn(SHAPE, device=device, requires_grad=True),) for _ in layers)
+    return list(
+        make_graphed_callables(
+            tuple(layers), sample, eager_replay=(mode == "eager_replay"),
+            get_rng_state_tracker=get_tracker, **graph_kwargs,
+        )
+    )
+
+
+_INPUTS = torch.Generator(device="cpu")
+
+
+def _step(layers, device, twice=False):
+    """All forwards first, then the backwards in reverse order (the order they were
+    captured in; graphs sharing a pool must replay in capture order). Each layer has its
+    own positive input, drawn from a generator of its own so no live stream moves."""
+    xs = [
+        torch.rand(SHAPE, generator=_INPUTS).add_(0.1).to(device).requires_grad_(True)
+        for _ in layers
+    ]
+    ys = [layer(x) for layer, x in zip(layers, xs)]
+    for i in reversed(range(len(layers))):
+        ys[i].sum().backward(retain_graph=twice)
+        if twice:
+            ys[i].sum().backward()
+    return [(y.detach() == 0) for y in ys], [(x.grad == 0) for x in xs]
+
+
+def _mask_contract(mode, device, tracker_kind="ours", steps=5, **kwargs):
+    get_tracker = _tracker_factory(tracker_kind)
+    layers = _build(mode, device, get_tracker, VARIANTS + VARIANTS[:2], **kwargs.pop("graph", {}))
+    previous = None
+    for step in range(steps):
+        out_zero, grad_zero = _step(layers, device, **kwargs)
+        for i, (o, g) in enumerate(zip(out_zero, grad_zero)):
+            assert o.any(), "dropout dropped nothing"
+            assert torch.equal(o, g), f"step {step}, layer {i} ({VARIANTS[i % 6]}): recompute mask differs from forward mask"
+        for i in range(len(out_zero)):
+            for j in range(i):
+                assert not torch.equal(out_zero[i], out_zero[j]), f"layers {i} and {j} share a mask"
+        if previous is not None:
+            for i, (a, b) in enumerate(zip(previous, out_zero)):
+                assert not torch.equal(a, b), f"layer {i}: step {step} reused the previous step's mask"
+        previous = out_zero
+
+
+def test_masks_exact_eager_checkpoint_cpu():
+    _mask_contract("eager", "cpu")
+
+
+def test_masks_exact_eager_replay_cpu():
+    _mask_contract("eager_replay", "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["eager", "eager_replay", "graph"])
+@pytest.mark.parametrize("tracker_kind", ["ours", "megatron-style"])
+def test_masks_exact_gpu(mode, tracker_kind):
+    _mask_contract(mode, "cuda", tracker_kind)
+
+
+@pytest.mark.gpu
+def test_masks_exact_with_all_forwards_before_the_backwards():
+    """Eight graphed layers run all their forwards, then their backwards in reverse: each
+    backward recompute uses the record of its own forward."""
+    _mask_contract("graph", "cuda", steps=6)
+
+
+@pytest.mark.gpu
+def test_masks_exact_with_retain_graph_second_backward():
+    _mask_contract("graph", "cuda", twice=True, graph={"retain_graph_in_backward": True})
+
+
+@pytest.mark.gpu
+def test_recompute_consumes_nothing_from_live_streams():
+    """Graph replays of a recomputing layer move only the live streams the layer draws
+    from outside its regions; here it draws from none, so nothing moves at all."""
+    get_tracker = _tracker_factory("ours")
+    layers = _build("graph", "cuda", get_tracker, ["both", "nested"])
+    before = (rng.get_rng_state("cuda"), rng.get_cuda_rng_tracker().get_states())
+    _step(layers, "cuda")
+    after = (rng.get_rng_state("cuda"), rng.get_cuda_rng_tracker().get_states())
+    assert before[0].get_offset() == after[0].get_offset()
+    for name in before[1]:
+        assert before[1][name].get_offset() == after[1][name].get_offset(), name
+
+
+@pytest.mark.gpu
+def test_tensor_parallel_meaning():
+    """Default-stream dropout is identical on TP ranks, model-parallel-rng dropout differs."""
+    masks = {}
+    for rank in (0, 1):
+        layers = _build("graph", "cuda", rng.get_cuda_rng_tracker, ["default", "tracker"], seed=5, tp_rank=rank)
+        torch.manual_seed(11)
+        masks[rank] = [_step(layers, "cuda")[0] for _ in range(2)]
+    for step in range(2):
+        assert torch.equal(masks[0][step][0], masks[1][step][0]), "default stream differs across TP ranks"
+        assert not torch.equal(masks[0][step][1], masks[1][step][1]), "model-parallel-rng equal across TP ranks"
+
+
+@pytest.mark.gpu
+def test_kept_fraction_and_fresh_masks_over_20_steps():
+    layer = MaskLayer("default", rng.get_cuda_rng_tracker, "cuda")
+    rng.model_parallel_cuda_manual_seed(3)
+    x0 = torch.randn(1024, 1024, device="cuda", requires_grad=True)
+    graphed = make_graphed_callables(layer, (x0,))
+    previous = None
+    for step in range(20):
+        x = torch.ones(1024, 1024, device="cuda", requires_grad=True)
+        y = graphed(x)
+        y.sum().backward()
+        kept = (y != 0).float().mean().item()
+        assert abs(kept - (1 - P)) < 0.01 * (1 - P), f"step {step}: kept fraction {kept}"
+        assert torch.equal(y != 0, x.grad != 0), f"step {step}: recompute mask differs"
+        if previous is not None:
+            assert not torch.equal(previous, y != 0), f"step {step} repeated the previous mask"
+        previous = y != 0
+
+
+def _gpt_run(seed):
+    from tests.graph_helpers import make_blocks, run_layers
+
+    blocks = make_blocks(n=3, dropout=0.1, recompute=True, device="cuda", seed=seed)
+    sample = tuple((torch.randn(16, 2, 64, device="cuda", requires_grad=True),) for _ in blocks)
+    graphed = make_graphed_callables(tuple(blocks), sample)
+    params = [p for b in graphed for p in b.parameters()]
+    opt = torch.optim.SGD(params, lr=0.1)
+    g = torch.Generator(device="cpu").manual_seed(1)
+    losses, grads = [], []
+    for _ in range(5):
+        opt.zero_grad(set_to_none=False)
+        x = torch.randn(16, 2, 64, generator=g).cuda().requires_grad_(True)
+        loss = run_layers(graphed, x).square().mean()
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append(torch.cat([p.grad.flatten() for p in params]).clone())
+        opt.step()
+    return losses, grads
+
+
+@pytest.mark.gpu
+def test_same_seed_same_program_bitwise():
+    a, b = _gpt_run(21), _gpt_run(21)
+    for step in range(5):
+        assert torch.equal(a[0][step], b[0][step]), f"loss differs at step {step}"
+        assert torch.equal(a[1][step], b[1][step]), f"grads differ at step {step}"
+    c = _gpt_run(22)
+    assert not torch.equal(a[0][0], c[0][0]), "another seed gives another run"
