@@ -110,7 +110,13 @@ def make_graphed_callables(
     checks.check_environment(eager_replay)
     checks.check_modules(callables)
     schedule = plan_schedule(len(callables), len(sample_args), order, options["num_layers_per_chunk"])
-    checks.check_sample_counts(len(schedule.graphs), sample_args, sample_kwargs)
+    checks.check_sample_kwargs(sample_args, sample_kwargs)
+    if options["reuse_graph_input_output_buffers"] and order is None:
+        raise ValueError(
+            "make_graphed_callables: reuse_graph_input_output_buffers=True needs order=... "
+            "(TE's _order): buffers are reused by forwards that run after an earlier "
+            "microbatch's backward, and without a schedule no forward does."
+        )
     grad_enabled = torch.is_grad_enabled()
     specs = [
         make_spec(
@@ -130,11 +136,12 @@ def make_graphed_callables(
     # -- warmup and capture (restores everything it changes if it fails) -----------------
     capture(
         specs,
-        [(step.kind, step.flat_index) for step in schedule.steps],
+        schedule.steps,
         num_warmup_iters=num_warmup_iters,
         allow_unused_input=allow_unused_input,
         retain_graph_in_backward=retain_graph_in_backward,
         accumulate_grads_in_graph=accumulate_grads_in_graph or eager_replay,
+        reuse_buffers=options["reuse_graph_input_output_buffers"] and not eager_replay,
         pool=pool,
         tracker=tracker,
         eager_replay=eager_replay,

@@ -27,7 +27,8 @@ import rng
 from rng import graph_streams
 
 from .grads import ParamGrads, grads_redirected
-from .layout import InputLayout, OutputLayout
+from .layout import InputLayout, OutputLayout, weak_alias
+from .schedule import Step, plan_buffer_reuse
 
 @dataclass
 class GraphSpec:
@@ -41,6 +42,7 @@ class GraphSpec:
     params: tuple[torch.Tensor, ...]
     training: bool
     needs_backward: bool
+    retain_graph: bool = False
     # Filled by capture():
     output: OutputLayout | None = None
     fwd_graph: Any = None
@@ -55,6 +57,22 @@ class GraphSpec:
     @property
     def grad_inputs(self) -> tuple[torch.Tensor, ...]:
         return tuple(t for t in self.static_inputs if t.requires_grad)
+
+    def take_buffers_of(self, donor: "GraphSpec") -> None:
+        """Reuse a graph's static inputs and grad-output buffers (its backward has run)."""
+        self.static_inputs = donor.static_inputs
+        self.static_grad_outputs = donor.static_grad_outputs
+
+    def release_pool_buffers(self) -> None:
+        """Hand the pool memory of the static outputs and input grads back to the pool for
+        later captures; replay keeps non-owning aliases (valid until the backward runs)."""
+        self.output.tensors = tuple(weak_alias(t) for t in self.output.tensors)
+        self.output.leaves = [
+            weak_alias(x) if isinstance(x, torch.Tensor) else x for x in self.output.leaves
+        ]
+        self.static_grad_inputs = tuple(
+            None if g is None else weak_alias(g) for g in self.static_grad_inputs
+        )
 
 
 def make_spec(name: str, func: Callable, args: Sequence, kwargs: dict, grad_enabled: bool) -> GraphSpec:
@@ -71,6 +89,15 @@ def make_spec(name: str, func: Callable, args: Sequence, kwargs: dict, grad_enab
     )
     call = func.forward if isinstance(func, torch.nn.Module) else func
     return GraphSpec(name, func, call, layout, static, params, training, needs_backward)
+
+
+def _signature(spec: GraphSpec) -> tuple:
+    """What must match for one graph to take over another's static buffers."""
+    def meta(t: torch.Tensor) -> tuple:
+        return (tuple(t.shape), t.stride(), t.dtype, t.requires_grad)
+
+    outputs = spec.output.tensors if spec.output is not None else ()
+    return (tuple(map(meta, spec.static_inputs)), tuple(map(meta, outputs)))
 
 
 def _differentiable(outputs: Any) -> list[torch.Tensor]:
@@ -94,12 +121,13 @@ def _rng_restore(tracker: Any, snapshot: tuple) -> None:
 
 def capture(
     specs: Sequence[GraphSpec],
-    steps: Sequence[tuple[str, int]],
+    steps: Sequence[Step],
     *,
     num_warmup_iters: int,
     allow_unused_input: bool,
     retain_graph_in_backward: bool,
     accumulate_grads_in_graph: bool,
+    reuse_buffers: bool,
     pool: Any,
     tracker: Any,
     eager_replay: bool,
@@ -128,12 +156,19 @@ def capture(
                 )
                 spec.logs = ()
             mempool = pool if pool is not None else torch.cuda.graph_pool_handle()
-            for kind, index in steps:
-                spec = specs[index]
-                if kind == "forward":
+            donors = plan_buffer_reuse(steps, [_signature(s) for s in specs]) if reuse_buffers else {}
+            passed_on = {d for d in donors.values() if d is not None}
+            for step in steps:
+                spec = specs[step.flat_index]
+                if step.kind == "forward":
+                    donor = donors.get(step.flat_index)
+                    if donor is not None:
+                        spec.take_buffers_of(specs[donor])
                     _capture_forward(spec, mempool)
                 elif spec.needs_backward:
                     _capture_backward(spec, mempool, retain_graph_in_backward, accumulate_grads_in_graph)
+                    if step.flat_index in passed_on:
+                        spec.release_pool_buffers()
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
     finally:
@@ -148,7 +183,8 @@ def _warmup(specs, steps, iters: int, allow_unused_input: bool, tracker: Any, re
         recording = record and iteration == iters - 1
         outputs: dict[int, Any] = {}
         logs: dict[tuple[str, int], Any] = {}
-        for kind, index in steps:
+        for step in steps:
+            kind, index = step.kind, step.flat_index
             spec = specs[index]
             if kind == "forward":
                 args, kwargs = spec.layout.unflatten(spec.static_inputs)
@@ -220,6 +256,7 @@ def _capture_forward(spec: GraphSpec, mempool: Any) -> None:
 
 
 def _capture_backward(spec: GraphSpec, mempool: Any, retain_graph: bool, in_graph: bool) -> None:
+    spec.retain_graph = retain_graph
     outputs = spec.output.tensors
     spec.static_grad_outputs = tuple(torch.empty_like(o) if o.requires_grad else None for o in outputs)
     differentiable = [o for o in outputs if o.requires_grad]

@@ -85,10 +85,11 @@ def check_devices(
                 )
 
 
-def check_sample_counts(num_callables: int, sample_args: Sequence[Any], sample_kwargs: Sequence[Any]) -> None:
-    if len(sample_args) != num_callables or len(sample_kwargs) != num_callables:
+def check_sample_kwargs(sample_args: Sequence[Any], sample_kwargs: Sequence[Any]) -> None:
+    """One dict of sample kwargs per tuple of sample args (the planner checks the args)."""
+    if len(sample_kwargs) != len(sample_args):
         raise ValueError(
-            f"make_graphed_callables: got {num_callables} callables but {len(sample_args)} "
-            f"sample_args and {len(sample_kwargs)} sample_kwargs; give one tuple of sample args "
-            "(and one dict of sample kwargs) per callable, or per (layer, microbatch) with order=."
+            f"make_graphed_callables: got {len(sample_args)} sample_args but "
+            f"{len(sample_kwargs)} sample_kwargs; give one dict of sample kwargs per tuple "
+            "of sample args."
         )

@@ -12,12 +12,23 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-__all__ = ["InputLayout", "OutputLayout", "describe"]
+__all__ = ["InputLayout", "OutputLayout", "describe", "weak_alias"]
 
 
 def describe(t: torch.Tensor) -> str:
     """``shape/dtype/device`` of a tensor, for error messages."""
     return f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
+
+
+def weak_alias(t: torch.Tensor) -> torch.Tensor:
+    """A tensor viewing ``t``'s memory without keeping it allocated (the allocator may hand
+    the memory to later allocations; the alias sees whatever is written there)."""
+    storage = torch._C._construct_storage_from_data_pointer(
+        t.untyped_storage().data_ptr(), t.device, t.untyped_storage().nbytes()
+    )
+    alias = torch.empty((), dtype=t.dtype, device=t.device)
+    alias.set_(storage, t.storage_offset(), t.shape, t.stride())
+    return alias.requires_grad_(t.requires_grad)
 
 
 class InputLayout:

@@ -26,9 +26,10 @@ from .grads import grads_redirected
 class Invocation:
     """One forward call's state, kept on its autograd node until its backward."""
 
-    __slots__ = ("generation", "record", "copy_grads", "outputs")
+    __slots__ = ("generation", "record", "copy_grads", "outputs", "backwards")
 
     def __init__(self, generation: int, record: tuple, copy_grads: tuple, outputs: Any = None):
+        self.backwards = 0  # how many times this call's backward ran (retain_graph)
         self.generation = generation
         self.record = record  # recompute generators' offsets at this forward replay
         self.copy_grads = copy_grads  # inputs whose grad autograd would keep as a .grad
@@ -67,6 +68,7 @@ class GraphRunner:
         self.bwd_graph = spec.bwd_graph
         self.rng = spec.rng if spec.rng is not None and spec.rng.has_regions else None
         self.param_grads = spec.param_grads
+        self.retains_graph = spec.retain_graph
         # Without in-graph accumulation, parameters go through autograd like inputs do.
         self.autograd_params = () if accumulate_grads_in_graph else spec.params
         self.static_param_grads = spec.static_param_grads
@@ -114,6 +116,13 @@ class GraphRunner:
         return input_grads + param_grads
 
     def _check_fresh(self, invocation: Invocation) -> None:
+        invocation.backwards += 1
+        if invocation.backwards > 1 and not self.retains_graph:
+            raise RuntimeError(
+                f"{self.name}: a second backward through the same call needs the captured "
+                "autograd graph, which was freed after capture. Pass "
+                "retain_graph_in_backward=True to make_graphed_callables."
+            )
         if invocation.generation != self.generation:
             raise RuntimeError(
                 f"{self.name}: this backward belongs to a forward replay whose activations a later "
@@ -131,6 +140,7 @@ class EagerRunner(GraphRunner):
         self.static_inputs = spec.static_inputs
         self.autograd_params = ()
         self.extra_inputs = _anchor(spec)
+        self.retains_graph = True  # eager autograd keeps what retain_graph=True asks for
         self.non_differentiable = ()
         self.generation = 0
 

@@ -205,3 +205,14 @@ def test_set_to_none_and_leaf_inputs_get_their_own_grads():
         assert_all_equal([p.grad for p in params_g], [p.grad for p in params_e], f"step {step} param grad")
     for step, (grad, expected) in enumerate(kept):
         assert torch.equal(grad, expected), f"leaf grad of step {step} was overwritten by a later replay"
+
+
+@pytest.mark.gpu
+def test_second_backward_needs_retain_graph_in_backward():
+    blocks = make_blocks(n=1, device="cuda")
+    sample = ((torch.randn(SHAPE, device="cuda", requires_grad=True),),)
+    (graphed,) = make_graphed_callables(tuple(blocks), sample)
+    y, _ = graphed(torch.randn(SHAPE, device="cuda", requires_grad=True))
+    y.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="a second backward through the same call needs the captured autograd graph.*retain_graph_in_backward=True"):
+        y.sum().backward()
