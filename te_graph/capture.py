@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -119,6 +120,22 @@ def _rng_restore(tracker: Any, snapshot: tuple) -> None:
         rng.restore_tracker_states(tracker, states)
 
 
+_capture_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def capture_stream() -> "torch.cuda.Stream":
+    """One side stream per device for every warmup and capture in the process.
+
+    cuBLAS and cuBLASLt keep a workspace per (handle, stream) for the life of the process
+    (tens of MiB on Hopper), and captured graphs bake in its address; a new stream per call
+    would add a set of workspaces for every make_graphed_callables call.
+    """
+    device = torch.cuda.current_device()
+    if device not in _capture_streams:
+        _capture_streams[device] = torch.cuda.Stream(device)
+    return _capture_streams[device]
+
+
 def capture(
     specs: Sequence[GraphSpec],
     steps: Sequence[Step],
@@ -140,7 +157,7 @@ def capture(
         if not eager_replay:
             torch.cuda.synchronize()
             gc.collect()
-            stream = torch.cuda.Stream()
+            stream = capture_stream()
             stream.wait_stream(torch.cuda.current_stream())
         # A collection during capture could free a graph or tensor another capture uses.
         gc.disable()
@@ -241,16 +258,39 @@ def _register_generators(graph: Any, generators: Sequence[torch.Generator]) -> N
             graph.register_generator_state(generator)
 
 
-def _capture_forward(spec: GraphSpec, mempool: Any) -> None:
-    graph = torch.cuda.CUDAGraph()
-    _register_generators(graph, spec.rng.generators_to_register("forward"))
-    args, kwargs = spec.layout.unflatten(spec.static_inputs)
+@contextlib.contextmanager
+def _capturing(graph: Any, mempool: Any, generators: Sequence[torch.Generator]):
+    """Capture into ``graph``; if the body fails, end the capture and take every generator
+    the graph registered out of capture mode (torch skips that when capture_end fails,
+    which would break every later random draw in the process)."""
+    _register_generators(graph, generators)
     graph.capture_begin(pool=mempool, capture_error_mode="thread_local")
     try:
+        yield
+    except BaseException:
+        with contextlib.suppress(Exception):
+            graph.capture_end()
+        _end_generator_capture(generators)
+        raise
+    graph.capture_end()
+
+
+def _end_generator_capture(generators: Sequence[torch.Generator]) -> None:
+    # An empty capture registering the same generators runs their capture epilogue.
+    graph = torch.cuda.CUDAGraph()
+    _register_generators(graph, generators)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "The CUDA Graph is empty"
+        graph.capture_begin(capture_error_mode="thread_local")
+        graph.capture_end()
+
+
+def _capture_forward(spec: GraphSpec, mempool: Any) -> None:
+    graph = torch.cuda.CUDAGraph()
+    args, kwargs = spec.layout.unflatten(spec.static_inputs)
+    with _capturing(graph, mempool, spec.rng.generators_to_register("forward")):
         with spec.rng.capturing_forward(), _grad_mode(spec):
             outputs = spec.call(*args, **kwargs)
-    finally:
-        graph.capture_end()
     spec.output = OutputLayout(outputs)
     spec.fwd_graph = graph
 
@@ -267,14 +307,10 @@ def _capture_backward(spec: GraphSpec, mempool: Any, retain_graph: bool, in_grap
     else:
         buffers = None
     graph = torch.cuda.CUDAGraph()
-    _register_generators(graph, spec.rng.generators_to_register("backward"))
     with grads_redirected(spec.grad_inputs, spec.params, buffers):
-        graph.capture_begin(pool=mempool, capture_error_mode="thread_local")
-        try:
+        with _capturing(graph, mempool, spec.rng.generators_to_register("backward")):
             if differentiable:
                 torch.autograd.backward(differentiable, grads, retain_graph=retain_graph)
-        finally:
-            graph.capture_end()
         spec.static_grad_inputs = tuple(t.grad if t.requires_grad else None for t in spec.static_inputs)
         if in_graph:
             for p, b in zip(spec.params, buffers):

@@ -216,3 +216,26 @@ def test_second_backward_needs_retain_graph_in_backward():
     y.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="a second backward through the same call needs the captured autograd graph.*retain_graph_in_backward=True"):
         y.sum().backward()
+
+
+@pytest.mark.gpu
+def test_graphs_and_their_memory_are_freed_with_the_module():
+    import gc
+    import weakref
+
+    def capture_and_train():
+        blocks = make_blocks(n=2, device="cuda")
+        sample = tuple((torch.randn(SHAPE, device="cuda", requires_grad=True),) for _ in blocks)
+        graphed = make_graphed_callables(tuple(blocks), sample)
+        run_layers(graphed, torch.randn(SHAPE, device="cuda", requires_grad=True)).sum().backward()
+        return weakref.ref(blocks[0])
+
+    capture_and_train()  # the first capture creates the capture stream's library workspaces
+    gc.collect()
+    torch.cuda.synchronize()
+    baseline = torch.cuda.memory_allocated()
+    ref = capture_and_train()
+    gc.collect()
+    torch.cuda.synchronize()
+    assert ref() is None, "a graphed module stays alive after its last reference is gone"
+    assert torch.cuda.memory_allocated() == baseline, "graph memory outlived the graphed module"
