@@ -26,9 +26,9 @@ from .recompute_state import RecomputeState
 __all__ = ["checkpoint"]
 
 _GRAD_ERROR = (
-    "checkpoint(use_reentrant=True) was reached through torch.autograd.grad(), which it cannot "
-    "hand gradients back through. Call .backward() / torch.autograd.backward() instead, or use "
-    "checkpoint(..., use_reentrant=False)."
+    "checkpoint(use_reentrant=True) was reached through torch.autograd.grad() (or "
+    ".backward(inputs=...)), which it cannot hand gradients back through. Call .backward() / "
+    "torch.autograd.backward() without inputs= instead, or use checkpoint(..., use_reentrant=False)."
 )
 _NO_GRAD_OUTPUT_ERROR = (
     "checkpoint(): no output of the checkpointed function requires grad, so its backward has "

@@ -26,7 +26,8 @@ def _cuda_capturing() -> bool:
 
 def _snapshot(tracker: Any) -> tuple:
     cuda = None
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_available():
+        # Also when CUDA is not initialised yet: the region may be its first user.
         cuda = rng.snapshot_generator(rng.default_generator("cuda"))
     tracker_states = rng.snapshot_tracker_states(tracker) if tracker is not None else None
     return rng.snapshot_generator(torch.default_generator), cuda, tracker_states
