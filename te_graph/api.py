@@ -91,6 +91,11 @@ def make_graphed_callables(
         reuse_graph_input_output_buffers=reuse_graph_input_output_buffers,
     )
     order = options["order"]
+    if _is_pool_handle(sample_kwargs):
+        # torch.cuda.make_graphed_callables takes the pool as its 5th positional argument.
+        if pool is not None:
+            raise TypeError("make_graphed_callables: got a pool handle positionally and pool=; pass one.")
+        sample_kwargs, pool = None, sample_kwargs
     single = not isinstance(modules, (tuple, list))
     callables = (modules,) if single else tuple(modules)
     if single and order is None:
@@ -159,6 +164,10 @@ def make_graphed_callables(
         else:
             results.append(function)
     return results[0] if single else tuple(results)
+
+
+def _is_pool_handle(value: Any) -> bool:
+    return isinstance(value, tuple) and len(value) == 2 and all(isinstance(v, int) for v in value)
 
 
 def _wrap(spec: GraphSpec, accumulate_grads_in_graph: bool, eager_replay: bool) -> GraphedCallable:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import rng
 from te_graph import make_graphed_callables
 from tests.graph_helpers import (
     Stack,
@@ -25,22 +26,24 @@ def _inputs(n, device, dtype):
     return [torch.randn(SHAPE, generator=g).to(device=device, dtype=dtype) for _ in range(n)]
 
 
-def _compare_training(device, dtype, as_stack, recompute=False, use_reentrant=True, eager_replay=False):
-    blocks = make_blocks(device=device, dtype=dtype, recompute=recompute, use_reentrant=use_reentrant)
+def _compare_training(device, dtype, as_stack, recompute=False, use_reentrant=True, eager_replay=False, dropout=0.0, **options):
+    blocks = make_blocks(device=device, dtype=dtype, recompute=recompute, use_reentrant=use_reentrant, dropout=dropout)
     reference = clone_modules(blocks)
     if as_stack:
         graphed = [Stack(blocks)]
         eager = [Stack(reference)]
         sample = ((torch.randn(SHAPE, device=device, dtype=dtype, requires_grad=True),),)
-        graphed = [make_graphed_callables(graphed[0], sample[0], eager_replay=eager_replay)]
+        graphed = [make_graphed_callables(graphed[0], sample[0], eager_replay=eager_replay, **options)]
     else:
         sample = tuple((torch.randn(SHAPE, device=device, dtype=dtype, requires_grad=True),) for _ in blocks)
-        graphed = list(make_graphed_callables(tuple(blocks), sample, eager_replay=eager_replay))
+        graphed = list(make_graphed_callables(tuple(blocks), sample, eager_replay=eager_replay, **options))
         eager = reference
     params_g = [p for m in graphed for p in m.parameters()]
     params_e = [p for m in eager for p in m.parameters()]
     inputs = _inputs(6, device, dtype)
+    rng.model_parallel_cuda_manual_seed(77)  # both runs draw the same dropout streams
     out_g, gx_g, w_g = train_steps(graphed, params_g, inputs)
+    rng.model_parallel_cuda_manual_seed(77)
     out_e, gx_e, w_e = train_steps(eager, params_e, inputs)
     assert_all_equal(out_g, out_e, "output")
     assert_all_equal(gx_g, gx_e, "input grad")
@@ -61,6 +64,22 @@ def test_graphed_training_equals_eager(dtype, as_stack):
 @pytest.mark.parametrize("as_stack", [False, True], ids=["per-layer", "stack"])
 def test_graphed_training_with_recompute_equals_eager(dtype, as_stack, use_reentrant):
     _compare_training("cuda", dtype, as_stack, recompute=True, use_reentrant=use_reentrant)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("as_stack", [False, True], ids=["per-layer", "stack"])
+def test_graphed_dropout_without_recompute_equals_eager(as_stack):
+    """Dropout outside recomputed regions draws from the live streams, which the graphs
+    advance exactly as eager does: graphed training equals eager with dropout too."""
+    _compare_training("cuda", torch.float32, as_stack, dropout=0.1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recompute", [False, True], ids=["plain", "recompute"])
+def test_grads_through_autograd_equal_eager(recompute):
+    """accumulate_grads_in_graph=False: parameter grads leave the graph through autograd
+    (for DDP-style hooks) and still match eager bitwise without aliasing graph memory."""
+    _compare_training("cuda", torch.float32, False, recompute=recompute, accumulate_grads_in_graph=False)
 
 
 @pytest.mark.parametrize("recompute", [False, True], ids=["plain", "recompute"])
@@ -239,3 +258,21 @@ def test_graphs_and_their_memory_are_freed_with_the_module():
     torch.cuda.synchronize()
     assert ref() is None, "a graphed module stays alive after its last reference is gone"
     assert torch.cuda.memory_allocated() == baseline, "graph memory outlived the graphed module"
+
+
+@pytest.mark.gpu
+def test_torch_call_form_with_positional_pool():
+    """torch.cuda.make_graphed_callables(callables, sample_args, num_warmup_iters,
+    allow_unused_input, pool): the same positional call works."""
+    blocks = make_blocks(n=2, device="cuda")
+    reference = clone_modules(blocks)
+    pool = torch.cuda.graph_pool_handle()
+    sample = tuple((torch.randn(SHAPE, device="cuda", requires_grad=True),) for _ in blocks)
+    graphed = make_graphed_callables(tuple(blocks), sample, 2, False, pool)
+    assert graphed[0].forward.__wrapped__ is not None
+    x = torch.randn(SHAPE, device="cuda", requires_grad=True)
+    y = run_layers(graphed, x)
+    y.sum().backward()
+    x_ref = x.detach().clone().requires_grad_(True)
+    run_layers(reference, x_ref).sum().backward()
+    assert torch.equal(x.grad, x_ref.grad)
