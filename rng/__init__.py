@@ -17,6 +17,7 @@ from .states import (
     to_generator_state,
 )
 from .tracker import (
+    DATA_PARALLEL_RNG,
     EXPERT_PARALLEL_RNG,
     MODEL_PARALLEL_RNG,
     CudaRNGStatesTracker,
@@ -33,6 +34,7 @@ __all__ = [
     "model_parallel_cuda_manual_seed",
     "MODEL_PARALLEL_RNG",
     "EXPERT_PARALLEL_RNG",
+    "DATA_PARALLEL_RNG",
     "graph_safe_rng_available",
     "is_graph_safe_rng_state",
     "generator_registration_required",

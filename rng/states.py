@@ -60,12 +60,12 @@ def generator_registration_required() -> bool:
     (the method's presence and its deprecation note); ``TE_GRAPH_LAZY_GENERATOR_REGISTRATION``
     set to ``1`` or ``0`` overrides the detection.
     """
-    override = os.environ.get("TE_GRAPH_LAZY_GENERATOR_REGISTRATION")
-    if override is not None:
-        return override.strip() not in ("1", "true", "True", "yes")
     method = getattr(torch.cuda.CUDAGraph, "register_generator_state", None)
     if method is None:
         return False
+    override = os.environ.get("TE_GRAPH_LAZY_GENERATOR_REGISTRATION")
+    if override is not None:
+        return override.strip() not in ("1", "true", "True", "yes")
     doc = (getattr(method, "__doc__", None) or "").lower()
     return "deprecat" not in doc and "no-op" not in doc
 

@@ -29,10 +29,12 @@ __all__ = [
     "model_parallel_cuda_manual_seed",
     "MODEL_PARALLEL_RNG",
     "EXPERT_PARALLEL_RNG",
+    "DATA_PARALLEL_RNG",
 ]
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 EXPERT_PARALLEL_RNG = "expert-parallel-rng"
+DATA_PARALLEL_RNG = "data-parallel-rng"
 
 
 class CudaRNGStatesTracker:
@@ -175,9 +177,12 @@ def model_parallel_cuda_manual_seed(
 
     * default generator (data-parallel stream): ``seed``, identical on every TP rank;
     * ``'model-parallel-rng'``: ``seed + 2718 + tp_rank``, different on every TP rank;
-    * ``'expert-parallel-rng'``: ``seed + 1024 + 100 * ep_rank + etp_rank``.
+    * ``'expert-parallel-rng'``: ``seed + 1024 + 100 * ep_rank + etp_rank``;
+    * ``'data-parallel-rng'``: ``seed`` (Megatron-core's named copy of the default stream).
 
-    Ranks default to 0 (one rank of each kind).
+    Ranks default to 0 (one rank of each kind). Reseeding also restarts the numbering of
+    graphed callables that recompute seeds derive from, so the same seed and program give
+    the same streams even after earlier captures in the process.
     """
     tracker = tracker if tracker is not None else get_cuda_rng_tracker()
     tp_rank = tp_rank or 0
@@ -190,6 +195,7 @@ def model_parallel_cuda_manual_seed(
     default_generator(tracker.device).manual_seed(seed)
     tracker.add(MODEL_PARALLEL_RNG, tensor_parallel_seed)
     tracker.add(EXPERT_PARALLEL_RNG, expert_parallel_seed)
+    tracker.add(DATA_PARALLEL_RNG, seed)
 
 
 def snapshot_tracker_states(tracker: object) -> dict[str, RNGState]:

@@ -130,6 +130,7 @@ def make_graphed_callables(
             sample_args[slot.flat_index],
             sample_kwargs[slot.flat_index],
             grad_enabled,
+            retain_graph_in_backward,
         )
         for slot in schedule.graphs
     ]
@@ -144,7 +145,6 @@ def make_graphed_callables(
         schedule.steps,
         num_warmup_iters=num_warmup_iters,
         allow_unused_input=allow_unused_input,
-        retain_graph_in_backward=retain_graph_in_backward,
         accumulate_grads_in_graph=accumulate_grads_in_graph or eager_replay,
         reuse_buffers=options["reuse_graph_input_output_buffers"] and not eager_replay,
         pool=pool,
@@ -159,7 +159,7 @@ def make_graphed_callables(
     results = []
     for spec, function in zip(specs, graphed):
         if isinstance(spec.func, torch.nn.Module):
-            install_on_module(spec.func, function, spec.training)
+            install_on_module(spec.func, function)
             results.append(spec.func)
         else:
             results.append(function)
@@ -194,10 +194,11 @@ def _normalise_options(te_arguments: dict, **ours: Any) -> dict:
             if value not in (None, False):
                 options[target] = value
         elif name in _TE_FP8_ARGS:
-            if name in ("fp8_enabled", "enabled") and value:
+            if value not in (None, False):
                 raise NotImplementedError(
-                    "make_graphed_callables: FP8 capture is not supported; call Transformer "
-                    "Engine's make_graphed_callables for FP8 layers, or pass fp8_enabled=False."
+                    f"make_graphed_callables: FP8 capture is not supported ({name}={value!r}); "
+                    "call Transformer Engine's make_graphed_callables for FP8 layers, or leave "
+                    "the fp8 arguments off."
                 )
         else:
             raise TypeError(f"make_graphed_callables() got an unexpected keyword argument {name!r}")

@@ -76,7 +76,9 @@ class GraphSpec:
         )
 
 
-def make_spec(name: str, func: Callable, args: Sequence, kwargs: dict, grad_enabled: bool) -> GraphSpec:
+def make_spec(
+    name: str, func: Callable, args: Sequence, kwargs: dict, grad_enabled: bool, retain_graph: bool
+) -> GraphSpec:
     """Static inputs are detached leaves sharing the sample tensors' memory."""
     layout = InputLayout(name, args, kwargs)
     static = tuple(t.detach().requires_grad_(t.requires_grad) for t in layout.samples)
@@ -89,7 +91,7 @@ def make_spec(name: str, func: Callable, args: Sequence, kwargs: dict, grad_enab
         grad_enabled and training and (any(t.requires_grad for t in static) or bool(params))
     )
     call = func.forward if isinstance(func, torch.nn.Module) else func
-    return GraphSpec(name, func, call, layout, static, params, training, needs_backward)
+    return GraphSpec(name, func, call, layout, static, params, training, needs_backward, retain_graph)
 
 
 def _signature(spec: GraphSpec) -> tuple:
@@ -142,7 +144,6 @@ def capture(
     *,
     num_warmup_iters: int,
     allow_unused_input: bool,
-    retain_graph_in_backward: bool,
     accumulate_grads_in_graph: bool,
     reuse_buffers: bool,
     pool: Any,
@@ -183,7 +184,7 @@ def capture(
                         spec.take_buffers_of(specs[donor])
                     _capture_forward(spec, mempool)
                 elif spec.needs_backward:
-                    _capture_backward(spec, mempool, retain_graph_in_backward, accumulate_grads_in_graph)
+                    _capture_backward(spec, mempool, accumulate_grads_in_graph)
                     if step.flat_index in passed_on:
                         spec.release_pool_buffers()
         torch.cuda.current_stream().wait_stream(stream)
@@ -295,8 +296,7 @@ def _capture_forward(spec: GraphSpec, mempool: Any) -> None:
     spec.fwd_graph = graph
 
 
-def _capture_backward(spec: GraphSpec, mempool: Any, retain_graph: bool, in_graph: bool) -> None:
-    spec.retain_graph = retain_graph
+def _capture_backward(spec: GraphSpec, mempool: Any, in_graph: bool) -> None:
     outputs = spec.output.tensors
     spec.static_grad_outputs = tuple(torch.empty_like(o) if o.requires_grad else None for o in outputs)
     differentiable = [o for o in outputs if o.requires_grad]
@@ -310,7 +310,7 @@ def _capture_backward(spec: GraphSpec, mempool: Any, retain_graph: bool, in_grap
     with grads_redirected(spec.grad_inputs, spec.params, buffers):
         with _capturing(graph, mempool, spec.rng.generators_to_register("backward")):
             if differentiable:
-                torch.autograd.backward(differentiable, grads, retain_graph=retain_graph)
+                torch.autograd.backward(differentiable, grads, retain_graph=spec.retain_graph)
         spec.static_grad_inputs = tuple(t.grad if t.requires_grad else None for t in spec.static_inputs)
         if in_graph:
             for p, b in zip(spec.params, buffers):

@@ -72,6 +72,7 @@ def check_devices(
     """Graph capture works on CUDA tensors of one device only."""
     if eager_replay:
         return
+    current = torch.cuda.current_device()
     for index, (c, layout) in enumerate(zip(callables, layouts)):
         tensors = list(layout.samples)
         if isinstance(c, torch.nn.Module):
@@ -82,6 +83,12 @@ def check_devices(
                     f"make_graphed_callables: {layout.name} has a tensor on {t.device} "
                     f"({describe(t)}); CUDA graphs capture CUDA tensors only. Move the module "
                     "and its inputs to CUDA. " + EAGER_REPLAY_HINT
+                )
+            if t.device.index != current:
+                raise ValueError(
+                    f"make_graphed_callables: {layout.name} has a tensor on {t.device}, but the "
+                    f"current device is cuda:{current}; a graph captures work of one device. "
+                    "Call torch.cuda.set_device() to the module's device before graphing."
                 )
 
 

@@ -15,12 +15,13 @@ assigned by the user are handled before each backward replay.
 from __future__ import annotations
 
 import contextlib
-import weakref
 from typing import Iterator, Sequence
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
-_buffers: "weakref.WeakKeyDictionary[torch.Tensor, torch.Tensor]" = weakref.WeakKeyDictionary()
+# Keyed by identity: a plain WeakKeyDictionary would compare tensors with ``==``.
+_buffers = WeakIdKeyDictionary()
 
 
 def grad_buffer(param: torch.Tensor) -> torch.Tensor:

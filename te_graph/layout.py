@@ -57,7 +57,7 @@ class InputLayout:
         self.samples: tuple[torch.Tensor, ...] = tuple(leaves) + tuple(
             kwargs[k] for k in self.tensor_keys
         )
-        self._meta = tuple((t.shape, t.dtype, t.device) for t in self.samples)
+        self._meta = tuple((t.shape, t.dtype, t.device, t.requires_grad) for t in self.samples)
 
     def flatten(self, args: tuple, kwargs: Mapping[str, Any]) -> list[torch.Tensor]:
         """The call's tensors in static-input order, after checking they fit the capture."""
@@ -85,9 +85,15 @@ class InputLayout:
                     "another graph for the other value."
                 )
         tensors.extend(kwargs[k] for k in self.tensor_keys)
-        for index, (t, (shape, dtype, device)) in enumerate(zip(tensors, self._meta)):
+        for index, (t, (shape, dtype, device, grad)) in enumerate(zip(tensors, self._meta)):
             if not isinstance(t, torch.Tensor) or t.shape != shape or t.dtype != dtype or t.device != device:
                 raise self._mismatch(index, t)
+            if t.requires_grad and not grad:
+                raise ValueError(
+                    f"{self.name}: {self._label(index)} requires grad, but its sample did not, so "
+                    "the graph computes no gradient for it. Capture with a sample that requires "
+                    "grad (the requires_grad of each sample must match the real inputs)."
+                )
         return tensors
 
     def unflatten(self, tensors: Sequence[torch.Tensor]) -> tuple[tuple, dict]:
@@ -97,15 +103,15 @@ class InputLayout:
         kwargs.update(zip(self.tensor_keys, tensors[self.num_args :]))
         return args, {k: kwargs[k] for k in self.kw_keys}
 
+    def _label(self, index: int) -> str:
+        if index < self.num_args:
+            return f"positional input {index}"
+        return f"keyword argument {self.tensor_keys[index - self.num_args]!r}"
+
     def _mismatch(self, index: int, t: Any) -> ValueError:
-        label = (
-            f"positional input {index}"
-            if index < self.num_args
-            else f"keyword argument {self.tensor_keys[index - self.num_args]!r}"
-        )
         got = describe(t) if isinstance(t, torch.Tensor) else type(t).__name__
         return ValueError(
-            f"{self.name}: {label} has {got}, but the graph was captured with "
+            f"{self.name}: {self._label(index)} has {got}, but the graph was captured with "
             f"{describe(self.samples[index])}. A graph replays fixed shapes: pass a matching "
             "tensor or capture a graph for this shape."
         )

@@ -140,7 +140,7 @@ class EagerRunner(GraphRunner):
         self.static_inputs = spec.static_inputs
         self.autograd_params = ()
         self.extra_inputs = _anchor(spec)
-        self.retains_graph = True  # eager autograd keeps what retain_graph=True asks for
+        self.retains_graph = spec.retain_graph
         self.non_differentiable = ()
         self.generation = 0
 
@@ -158,7 +158,9 @@ class EagerRunner(GraphRunner):
         pairs = [(o, g) for o, g in zip(invocation.outputs, grads) if o.requires_grad]
         with grads_redirected(self.spec.grad_inputs):
             torch.autograd.backward(
-                [o for o, _ in pairs], [torch.zeros_like(o) if g is None else g for o, g in pairs]
+                [o for o, _ in pairs],
+                [torch.zeros_like(o) if g is None else g for o, g in pairs],
+                retain_graph=self.retains_graph,
             )
             return tuple(t.grad for t in self.static_inputs) + (None,) * len(self.extra_inputs)
 
@@ -182,7 +184,11 @@ class _Replay(torch.autograd.Function):
 
 
 class GraphedCallable:
-    """What make_graphed_callables returns for one graph: call it like the original."""
+    """What make_graphed_callables returns for one graph: call it like the original.
+
+    For a module, the graph runs only in the training mode it was captured in; in the other
+    mode the module's own forward runs eagerly.
+    """
 
     def __init__(self, runner: GraphRunner, spec: GraphSpec):
         self._runner = runner
@@ -190,9 +196,14 @@ class GraphedCallable:
         self._output = spec.output
         self._extra = runner.extra_inputs
         self._differentiable = spec.needs_backward
+        self._module = spec.func if isinstance(spec.func, torch.nn.Module) else None
+        self._training = spec.training
+        self._eager = spec.call
         self.__name__ = spec.name
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._module is not None and self._module.training != self._training:
+            return self._eager(*args, **kwargs)
         tensors = self._layout.flatten(args, kwargs)
         if self._differentiable:
             outputs = _Replay.apply(self._runner, *tensors, *self._extra)
@@ -204,14 +215,8 @@ class GraphedCallable:
         return f"<graphed {self.__name__}>"
 
 
-def install_on_module(module: torch.nn.Module, graphed: GraphedCallable, training: bool) -> None:
-    """Replace ``module.forward``: the graph in the captured mode, the original otherwise."""
-    original = module.forward
-
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        if module.training == training:
-            return graphed(*args, **kwargs)
-        return original(*args, **kwargs)
-
-    forward.__wrapped__ = original  # type: ignore[attr-defined]
-    module.forward = forward
+def install_on_module(module: torch.nn.Module, graphed: GraphedCallable) -> None:
+    """Replace ``module.forward`` with the graphed callable (it keeps the original reachable
+    as ``module.forward.__wrapped__`` and runs it in the other training mode)."""
+    graphed.__wrapped__ = module.forward  # type: ignore[attr-defined]
+    module.forward = graphed

@@ -134,11 +134,11 @@ def _eval_test(device, eager_replay):
     # Back in train mode the module runs its eager forward (dropout 0.1 under the tracker).
     for b in blocks + reference:
         b.train()
-    import rng
-
     rng.model_parallel_cuda_manual_seed(99)
+    torch.manual_seed(99)  # CPU dropout draws from the CPU generator
     y_train = run_layers(graphed, x)
     rng.model_parallel_cuda_manual_seed(99)
+    torch.manual_seed(99)
     y_ref = run_layers(reference, x)
     assert torch.equal(y_train, y_ref)
     assert not torch.equal(y_train, y), "train mode ran with dropout, not the eval graph"

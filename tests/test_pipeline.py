@@ -183,3 +183,16 @@ def test_schedule_masks_exact_per_layer_and_microbatch(reuse):
 
 def test_schedule_masks_exact_eager_replay_cpu():
     _mask_schedule("cpu", eager_replay=True, reuse=False)
+
+
+def test_order_results_run_eagerly_in_the_other_training_mode():
+    """Like Transformer Engine's: the per-(layer, microbatch) functions replay the graph only
+    in the training mode their module was captured in."""
+    blocks = make_blocks(n=1, device="cpu", dropout=0.5)
+    sample = tuple((torch.randn(SHAPE, requires_grad=True),) for _ in range(2))
+    graphed = make_graphed_callables(tuple(blocks), sample, order=[1, 1, -1, -1], eager_replay=True)
+    x = torch.randn(SHAPE)
+    blocks[0].eval()
+    y_graphed, _ = graphed[1](x)
+    y_eval, _ = blocks[0].forward(x)
+    assert torch.equal(y_graphed, y_eval), "eval mode ran the module's own forward"
