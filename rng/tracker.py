@@ -65,10 +65,15 @@ class CudaRNGStatesTracker:
         self.graph_safe = graph_safe
         self._states: dict[str, RNGState] = {}
         self._seeds: dict[int, str] = {}
+        # Generator objects of streams dropped by reset(), reused when the name is added
+        # again: CUDA graphs register generator *objects*, so reseeding in place keeps
+        # graphs captured before a reseed drawing from the reseeded stream.
+        self._retired: dict[str, torch.Generator] = {}
 
     # -- bookkeeping ----------------------------------------------------------------
     def reset(self) -> None:
         """Forget every stream and seed."""
+        self._retired.update(self._live_generators())
         self._states = {}
         self._seeds = {}
 
@@ -92,7 +97,7 @@ class CudaRNGStatesTracker:
                 f"CudaRNGStatesTracker.add: stream '{name}' already exists; call reset() "
                 "first or pick another name."
             )
-        generator = torch.Generator(device=self.device)
+        generator = self._retired.pop(name, None) or torch.Generator(device=self.device)
         generator.manual_seed(seed)
         self._states[name] = generator if self.graph_safe else generator.get_state()
         self._seeds[seed] = name

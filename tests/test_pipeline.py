@@ -30,6 +30,9 @@ def run_schedule(order, layers_per_chunk, call, inputs, grad_seed=0, independent
     """Run one iteration of ``order`` like a pipeline would: each chunk gets a fresh leaf
     input per microbatch, and each chunk's backward is fed the next chunk's input grad.
 
+    Outputs are recorded at their forward: with buffer reuse an output is valid only until
+    its backward runs.
+
     ``call(chunk, mb, layer, x)`` runs one (layer, microbatch). With ``independent``
     every chunk gets its own positive input and positive grad instead (so a zero in the
     output or the input grad can only come from a dropout mask). Returns
@@ -47,16 +50,16 @@ def run_schedule(order, layers_per_chunk, call, inputs, grad_seed=0, independent
             if independent:
                 source = torch.rand(inputs[mb].shape, generator=g).add_(0.1).to(inputs[mb])
             else:
-                source = inputs[mb] if chunk == 0 else live[chunk - 1, mb][1].detach()
+                source = inputs[mb] if chunk == 0 else live[chunk - 1, mb][2]
             x = source.detach().clone().requires_grad_(True)
             y = x
             for layer in range(layers_per_chunk):
                 y = call(chunk, mb, layer, y)
-            live[chunk, mb] = (x, y)
+            live[chunk, mb] = (x, y, y.detach().clone())
         else:
             mb = next_bwd[chunk]
             next_bwd[chunk] += 1
-            x, y = live[chunk, mb]
+            x, y, y_at_forward = live[chunk, mb]
             if independent:
                 grad = torch.rand(y.shape, generator=g).add_(0.1).to(y)
             elif chunk == chunks - 1:
@@ -64,7 +67,7 @@ def run_schedule(order, layers_per_chunk, call, inputs, grad_seed=0, independent
             else:
                 grad = results[chunk + 1, mb][1]
             y.backward(grad)
-            results[chunk, mb] = (y.detach().clone(), x.grad.clone())
+            results[chunk, mb] = (y_at_forward, x.grad.clone())
     return results
 
 

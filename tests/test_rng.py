@@ -432,3 +432,19 @@ def test_restore_generator_into_cuda_generator_keeps_identity():
     assert torch.equal(torch.rand(N, device="cuda", generator=generator), first)
     rng.restore_generator(generator, rng.to_byte_state(snapshot))
     assert torch.equal(torch.rand(N, device="cuda", generator=generator), first)
+
+
+@pytest.mark.gpu
+def test_reseeding_keeps_each_streams_generator_object():
+    """CUDA graphs register generator objects: reseeding must reseed them in place so a
+    graph captured before the reseed keeps drawing from the stream the tracker forks."""
+    tracker = CudaRNGStatesTracker(device="cuda" if torch.cuda.is_available() else "cpu")
+    if not tracker.graph_safe:
+        pytest.skip("generator objects are kept in graph-safe mode only")
+    rng.model_parallel_cuda_manual_seed(1, tracker=tracker)
+    before = tracker._live_generators()
+    rng.model_parallel_cuda_manual_seed(2, tracker=tracker)
+    after = tracker._live_generators()
+    assert all(after[name] is before[name] for name in before)
+    with tracker.fork():
+        assert torch.equal(torch.rand(N, device="cuda"), expected_draws(2 + 2718, device="cuda"))
