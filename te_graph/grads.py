@@ -15,10 +15,13 @@ assigned by the user are handled before each backward replay.
 from __future__ import annotations
 
 import contextlib
+import operator
 from typing import Iterator, Sequence
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
+
+_grad_of = operator.attrgetter("grad")
 
 # Keyed by identity: a plain WeakKeyDictionary would compare tensors with ``==``.
 _buffers = WeakIdKeyDictionary()
@@ -74,9 +77,9 @@ class ParamGrads:
         per parameter.
         """
         params, buffers = self.params, self.buffers
-        stale = [i for i in range(len(params)) if params[i].grad is not buffers[i]]
-        if not stale:
+        if all(map(operator.is_, map(_grad_of, params), buffers)):
             return
+        stale = [i for i in range(len(params)) if params[i].grad is not buffers[i]]
         zeroed = [buffers[i] for i in stale if params[i].grad is None]
         if zeroed:
             torch._foreach_zero_(zeroed)

@@ -58,6 +58,7 @@ class InputLayout:
             kwargs[k] for k in self.tensor_keys
         )
         self._meta = tuple((t.shape, t.dtype, t.device, t.requires_grad) for t in self.samples)
+        self._kw_set = frozenset(self.kw_keys)
 
     def flatten(self, args: tuple, kwargs: Mapping[str, Any]) -> list[torch.Tensor]:
         """The call's tensors in static-input order, after checking they fit the capture."""
@@ -71,7 +72,7 @@ class InputLayout:
                     f"captured with {self.args_spec}; pass arguments as in sample_args."
                 )
             tensors = leaves
-        if len(kwargs) != len(self.kw_keys) or any(k not in kwargs for k in self.kw_keys):
+        if kwargs.keys() != self._kw_set:
             raise ValueError(
                 f"{self.name}: called with keyword arguments {sorted(kwargs)}, but the graph was "
                 f"captured with {sorted(self.kw_keys)}; pass the same keywords as sample_kwargs."
@@ -84,7 +85,18 @@ class InputLayout:
                     "capture; non-tensor keyword arguments are baked into the graph. Capture "
                     "another graph for the other value."
                 )
-        tensors.extend(kwargs[k] for k in self.tensor_keys)
+        for key in self.tensor_keys:
+            tensors.append(kwargs[key])
+        for t, (shape, dtype, device, grad) in zip(tensors, self._meta):
+            # One check per tensor on the hot path; the slow path says what differs.
+            if not (
+                isinstance(t, torch.Tensor) and t.shape == shape and t.dtype == dtype
+                and t.device == device and (grad or not t.requires_grad)
+            ):
+                self._raise_mismatch(tensors)
+        return tensors
+
+    def _raise_mismatch(self, tensors: Sequence[Any]) -> None:
         for index, (t, (shape, dtype, device, grad)) in enumerate(zip(tensors, self._meta)):
             if not isinstance(t, torch.Tensor) or t.shape != shape or t.dtype != dtype or t.device != device:
                 raise self._mismatch(index, t)
@@ -94,7 +106,6 @@ class InputLayout:
                     "the graph computes no gradient for it. Capture with a sample that requires "
                     "grad (the requires_grad of each sample must match the real inputs)."
                 )
-        return tensors
 
     def unflatten(self, tensors: Sequence[torch.Tensor]) -> tuple[tuple, dict]:
         """Inverse of ``flatten``: call arguments built from static-input tensors."""

@@ -183,6 +183,12 @@ class _Replay(torch.autograd.Function):
         return (None,) + ctx.runner.backward(ctx.invocation, grads)
 
 
+# Function.apply's Python wrapper unwraps functorch wrappers on every call (microseconds
+# per layer); with no functorch transform active the C implementation is called directly.
+_apply_directly = super(torch.autograd.function._SingleLevelFunction, _Replay).apply
+_functorch_active = torch._C._are_functorch_transforms_active
+
+
 class GraphedCallable:
     """What make_graphed_callables returns for one graph: call it like the original.
 
@@ -206,7 +212,8 @@ class GraphedCallable:
             return self._eager(*args, **kwargs)
         tensors = self._layout.flatten(args, kwargs)
         if self._differentiable:
-            outputs = _Replay.apply(self._runner, *tensors, *self._extra)
+            apply = _Replay.apply if _functorch_active() else _apply_directly
+            outputs = apply(self._runner, *tensors, *self._extra)
         else:
             _, outputs = self._runner.forward(tuple(tensors))
         return self._output.build(outputs)
