@@ -15,6 +15,9 @@ import rng  # noqa: E402
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # xdist runs one worker per core; torch's own threads would oversubscribe them.
+        torch.set_num_threads(1)
     if torch.cuda.is_available():
         # Under pytest-xdist, worker gwN takes cuda:(N % device count), so `-n <gpus>`
         # spreads the suite over the GPUs.

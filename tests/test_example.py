@@ -1,0 +1,188 @@
+"""The GPT training example (examples/train_gpt.py): data path, CPU training runs through
+``main()``, and on a GPU bitwise agreement of graphed and eager training."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from examples import train_gpt
+from examples.train_gpt import CharCorpus, load_corpus, main
+
+TINY = ["--layers", "2", "--hidden", "32", "--heads", "4", "--seq", "16", "--micro-batch", "4"]
+SUMMARY_KEYS = {
+    "config", "graphs", "losses", "median_step_ms", "tokens_per_s", "peak_memory_bytes",
+    "peak_memory_kind", "peak_memory_above_start_bytes", "capture_s", "params_sha256", "final_loss",
+}
+
+
+def _cpu(tmp_path, *extra):
+    return ["--device", "cpu", "--no-progress", "--out", str(tmp_path), *TINY, *extra]
+
+
+# -- data path -------------------------------------------------------------------------------
+def test_corpus_encode_decode_round_trip():
+    text = load_corpus()
+    corpus = CharCorpus(text)
+    assert corpus.decode(corpus.data) == text
+    assert corpus.data.dtype == torch.long
+    assert corpus.vocab_size == len(set(text))
+    assert corpus.chars == sorted(corpus.chars)
+    assert 0 <= int(corpus.data.min()) and int(corpus.data.max()) < corpus.vocab_size
+    assert corpus.decode(corpus.encode("the graph")) == "the graph"
+
+
+def test_batches_are_windows_with_targets_shifted_by_one():
+    corpus = CharCorpus(load_corpus())
+    text = corpus.text
+    tokens, targets = next(corpus.batches(seq=24, batch=5, seed=3))
+    assert tokens.shape == targets.shape == (5, 24)
+    assert tokens.dtype == targets.dtype == torch.long
+    assert torch.equal(tokens[:, 1:], targets[:, :-1]), "targets are the tokens shifted by one"
+    for row in range(5):
+        window = corpus.decode(tokens[row]) + corpus.decode(targets[row, -1:])
+        assert window in text, "each row is a contiguous window of the corpus"
+
+
+def test_batches_follow_the_seed():
+    corpus = CharCorpus(load_corpus())
+    a, b, c = (corpus.batches(seq=16, batch=3, seed=s) for s in (7, 7, 8))
+    for _ in range(3):
+        (xa, ya), (xb, yb), (xc, _) = next(a), next(b), next(c)
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+    assert not torch.equal(xa, xc), "another seed, other windows"
+
+
+def test_batches_refuse_a_corpus_shorter_than_seq():
+    with pytest.raises(ValueError, match="too few for --seq 64; pass a smaller --seq"):
+        next(CharCorpus("short text").batches(seq=64, batch=2, seed=0))
+
+
+def test_corpus_is_markdown_plus_docstrings_when_little_markdown(tmp_path):
+    (tmp_path / "README.md").write_text("# Title\nsome markdown\n")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "guide.md").write_text("a guide\n")
+    (tmp_path / ".hidden").mkdir()
+    (tmp_path / ".hidden" / "secret.md").write_text("not this\n")
+    (tmp_path / "mod.py").write_text('"""Module docstring."""\n\ndef f():\n    """Function doc."""\n')
+    text = load_corpus(tmp_path, min_markdown_chars=10_000)
+    assert "some markdown" in text and "a guide" in text
+    assert "Module docstring." in text and "Function doc." in text
+    assert "not this" not in text, "hidden folders are skipped"
+    only_markdown = load_corpus(tmp_path, min_markdown_chars=10)
+    assert "some markdown" in only_markdown and "Module docstring." not in only_markdown
+
+
+def test_empty_corpus_is_refused(tmp_path):
+    with pytest.raises(RuntimeError, match="found no Markdown or docstrings"):
+        load_corpus(tmp_path)
+
+
+# -- CPU training runs -------------------------------------------------------------------------
+def test_three_step_run_writes_png_and_json(tmp_path, capsys):
+    summary = main(_cpu(tmp_path, "--steps", "3"))
+    assert (tmp_path / "loss_curve.png").stat().st_size > 0
+    with open(tmp_path / "summary.json", encoding="utf-8") as f:
+        written = json.load(f)
+    assert SUMMARY_KEYS <= set(written)
+    assert written["losses"] == summary["losses"] and len(written["losses"]) == 3
+    assert written["graphs"] is False
+    assert written["config"]["steps"] == 3 and written["config"]["device"] == "cpu"
+    assert written["config"]["dtype"] == "float32" and written["config"]["recompute"] == "none"
+    assert written["median_step_ms"] > 0 and written["tokens_per_s"] > 0
+    assert written["peak_memory_bytes"] > 0 and "RSS" in written["peak_memory_kind"]
+    out = capsys.readouterr().out
+    assert "median step" in out and "tokens/s" in out and "peak memory" in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the note printed without CUDA")
+def test_without_cuda_trains_eagerly_with_a_note(tmp_path, capsys):
+    summary = main(["--no-progress", "--out", str(tmp_path), *TINY, "--steps", "1", "--graphs"])
+    assert summary["graphs"] is False
+    assert "CUDA not available: training eagerly on CPU (graphs need a GPU)" in capsys.readouterr().out
+
+
+def test_loss_is_finite_and_decreases_over_30_steps(tmp_path):
+    summary = main(_cpu(tmp_path, "--steps", "30", "--seed", "5", "--lr", "3e-3", "--dropout", "0"))
+    losses = summary["losses"]
+    assert len(losses) == 30 and all(math.isfinite(x) for x in losses)
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    assert last < first - 0.3, f"loss went from {first:.3f} to {last:.3f}"
+
+
+def test_same_seed_same_run_on_cpu(tmp_path):
+    args = _cpu(tmp_path, "--steps", "4", "--dropout", "0.1", "--recompute", "full")
+    a, b = main(args), main(args)
+    assert a["losses"] == b["losses"] and a["params_sha256"] == b["params_sha256"]
+
+
+def test_compare_on_cpu_uses_the_eager_replay_wrapper(tmp_path, capsys):
+    summary = main(_cpu(tmp_path, "--steps", "4", "--compare", "--dropout", "0.1", "--recompute", "full"))
+    out = capsys.readouterr().out
+    assert "eager-replay wrapper" in out and "speedup eager-replay vs eager" in out
+    assert summary["graphed_name"] == "eager-replay"
+    assert summary["eager-replay"]["eager_replay"] is True and summary["eager"]["graphs"] is False
+    # The same static-buffer wrapper, run eagerly, gives bitwise the same training.
+    assert summary["losses_match_bitwise"] and summary["weights_match_bitwise"]
+    assert "losses matched bitwise: True" in out
+    assert set(json.loads((tmp_path / "summary.json").read_text())) >= {"eager", "eager-replay", "speedup"}
+
+
+def test_learning_rate_warms_up_then_decays_to_a_tenth():
+    args = train_gpt.build_parser().parse_args(["--device", "cpu", "--steps", "100", "--lr", "1e-3"])
+    config, _ = train_gpt.resolve(args)
+    lrs = [train_gpt.learning_rate(config, step) for step in range(100)]
+    assert config.warmup == 10
+    assert lrs[0] == pytest.approx(1e-4) and lrs[9] == pytest.approx(1e-3)
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:])), "cosine decay after warmup"
+    assert lrs[-1] == pytest.approx(1e-4, rel=0.01)
+
+
+def test_bad_sizes_are_refused(tmp_path):
+    with pytest.raises(SystemExit, match="--hidden 30 is not divisible by --heads 4"):
+        main(_cpu(tmp_path, "--hidden", "30", "--steps", "1"))
+
+
+# -- GPU: graphed training ---------------------------------------------------------------------
+GPU_TINY = ["--layers", "2", "--hidden", "64", "--heads", "4", "--micro-batch", "4", "--no-progress"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_graphed_losses_equal_eager_bitwise_without_dropout(tmp_path, recompute):
+    summary = main([*GPU_TINY, "--seq", "32", "--steps", "10", "--dropout", "0", "--recompute", recompute,
+                    "--compare", "--out", str(tmp_path)])
+    eager, graphed = summary["eager"], summary["graphed"]
+    assert graphed["graphs"] is True and eager["graphs"] is False
+    assert graphed["config"]["dtype"] == "bfloat16"
+    assert len(graphed["losses"]) == 10
+    assert graphed["losses"] == eager["losses"], "graphed and eager losses differ"
+    assert summary["losses_match_bitwise"] and summary["weights_match_bitwise"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seq", [32, 256], ids=["seq32", "seq256"])
+def test_graphed_run_with_dropout_and_recompute_is_reproducible(tmp_path, seq):
+    """seq 256 spans several flash-attention key blocks: bitwise needs deterministic mode."""
+    args = [*GPU_TINY, "--seq", str(seq), "--steps", "10", "--dropout", "0.1", "--recompute", "full",
+            "--graphs", "--out", str(tmp_path)]
+    a, b = main(args), main(args)
+    assert a["graphs"] is True
+    assert a["losses"] == b["losses"], "same seed, same graphed run, different losses"
+    assert a["params_sha256"] == b["params_sha256"]
+    c = main([*args, "--seed", "99"])
+    assert c["losses"] != a["losses"], "another seed gives another run"
+
+
+@pytest.mark.gpu
+def test_graphed_losses_equal_eager_bitwise_with_dropout_without_recompute(tmp_path):
+    """Without recompute the graphs draw dropout from the live streams, exactly as eager does."""
+    summary = main([*GPU_TINY, "--seq", "32", "--steps", "10", "--dropout", "0.1", "--recompute", "none",
+                    "--compare", "--out", str(tmp_path)])
+    assert summary["losses_match_bitwise"] and summary["weights_match_bitwise"]
+
+
+def test_script_puts_the_repo_root_on_sys_path():
+    assert train_gpt.REPO_ROOT.joinpath("te_graph", "__init__.py").exists()
