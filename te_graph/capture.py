@@ -298,7 +298,10 @@ def _capture_forward(spec: GraphSpec, mempool: Any) -> None:
 
 def _capture_backward(spec: GraphSpec, mempool: Any, in_graph: bool) -> None:
     outputs = spec.output.tensors
-    spec.static_grad_outputs = tuple(torch.empty_like(o) if o.requires_grad else None for o in outputs)
+    if not spec.static_grad_outputs:  # else taken over from a buffer donor
+        spec.static_grad_outputs = tuple(
+            torch.empty_like(o) if o.requires_grad else None for o in outputs
+        )
     differentiable = [o for o in outputs if o.requires_grad]
     grads = [g for g in spec.static_grad_outputs if g is not None]
     if in_graph:
