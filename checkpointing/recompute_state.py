@@ -24,24 +24,6 @@ def _cuda_capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def _snapshot(tracker: Any) -> tuple:
-    cuda = None
-    if torch.cuda.is_available():
-        # Also when CUDA is not initialised yet: the region may be its first user.
-        cuda = rng.snapshot_generator(rng.default_generator("cuda"))
-    tracker_states = rng.snapshot_tracker_states(tracker) if tracker is not None else None
-    return rng.snapshot_generator(torch.default_generator), cuda, tracker_states
-
-
-def _restore(tracker: Any, snapshot: tuple) -> None:
-    cpu, cuda, tracker_states = snapshot
-    rng.restore_generator(torch.default_generator, cpu)
-    if cuda is not None:
-        rng.restore_generator(rng.default_generator("cuda"), cuda)
-    if tracker_states is not None:
-        rng.restore_tracker_states(tracker, tracker_states)
-
-
 class _Autocast:
     """The autocast state of one device type, to be re-entered by the recompute."""
 
@@ -84,7 +66,7 @@ class RecomputeState:
             with graph_streams.streams_swapped(self.region.forward, self.tracker, _device()):
                 yield
             return
-        self.snapshot = _snapshot(self.tracker)
+        self.snapshot = rng.snapshot_streams(self.tracker)
         token = graph_streams.region_begin()
         yield
         graph_streams.region_end(token)
@@ -101,12 +83,12 @@ class RecomputeState:
                 )
                 yield
                 return
-            live = _snapshot(self.tracker)
-            _restore(self.tracker, self.snapshot)
+            live = rng.snapshot_streams(self.tracker)
+            rng.restore_streams(self.tracker, self.snapshot)
             try:
                 yield
             finally:
-                _restore(self.tracker, live)
+                rng.restore_streams(self.tracker, live)
 
 
 def _device() -> torch.device:

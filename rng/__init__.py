@@ -23,7 +23,9 @@ from .tracker import (
     CudaRNGStatesTracker,
     get_cuda_rng_tracker,
     model_parallel_cuda_manual_seed,
+    restore_streams,
     restore_tracker_states,
+    snapshot_streams,
     snapshot_tracker_states,
 )
 
@@ -47,4 +49,6 @@ __all__ = [
     "to_generator_state",
     "snapshot_tracker_states",
     "restore_tracker_states",
+    "snapshot_streams",
+    "restore_streams",
 ]

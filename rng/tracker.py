@@ -233,3 +233,21 @@ def restore_tracker_states(tracker: object, states: Mapping[str, RNGState]) -> N
     if byte_states:
         # Megatron-style set_states() replaces the whole dict: hand it every stream.
         tracker.set_states({**live, **byte_states})
+
+
+def snapshot_streams(tracker: object | None) -> tuple:
+    """Content snapshot of every random stream a layer may draw from: the CPU and current
+    CUDA default generators and each of ``tracker``'s streams."""
+    cuda = snapshot_generator(default_generator("cuda")) if torch.cuda.is_available() else None
+    states = snapshot_tracker_states(tracker) if tracker is not None else None
+    return snapshot_generator(torch.default_generator), cuda, states
+
+
+def restore_streams(tracker: object | None, snapshot: tuple) -> None:
+    """Put every stream back to ``snapshot`` (from :func:`snapshot_streams`), in place."""
+    cpu, cuda, states = snapshot
+    restore_generator(torch.default_generator, cpu)
+    if cuda is not None:
+        restore_generator(default_generator("cuda"), cuda)
+    if states is not None:
+        restore_tracker_states(tracker, states)

@@ -107,21 +107,6 @@ def _differentiable(outputs: Any) -> list[torch.Tensor]:
     return [o for o in pytree.tree_leaves(outputs) if isinstance(o, torch.Tensor) and o.requires_grad]
 
 
-def _rng_snapshot(tracker: Any) -> tuple:
-    cuda = rng.get_rng_state("cuda") if torch.cuda.is_available() else None
-    states = rng.snapshot_tracker_states(tracker) if tracker is not None else None
-    return torch.get_rng_state(), cuda, states
-
-
-def _rng_restore(tracker: Any, snapshot: tuple) -> None:
-    cpu, cuda, states = snapshot
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        rng.set_rng_state(cuda, "cuda")
-    if states is not None:
-        rng.restore_tracker_states(tracker, states)
-
-
 _capture_streams: dict[int, torch.cuda.Stream] = {}
 
 
@@ -151,7 +136,7 @@ def capture(
     eager_replay: bool,
 ) -> None:
     """Warm up and (unless ``eager_replay``) capture every spec, filling it in place."""
-    snapshot = _rng_snapshot(tracker)
+    snapshot = rng.snapshot_streams(tracker)
     gc_enabled = gc.isenabled()
     stream = None
     try:
@@ -192,7 +177,7 @@ def capture(
     finally:
         if gc_enabled:
             gc.enable()
-        _rng_restore(tracker, snapshot)
+        rng.restore_streams(tracker, snapshot)
 
 
 def _warmup(specs, steps, iters: int, allow_unused_input: bool, tracker: Any, record: bool) -> None:
