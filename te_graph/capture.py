@@ -31,6 +31,7 @@ from .grads import ParamGrads, grads_redirected
 from .layout import InputLayout, OutputLayout, weak_alias
 from .schedule import Step, plan_buffer_reuse
 
+
 @dataclass
 class GraphSpec:
     """One graph pair to capture: a callable with one set of static inputs."""
