@@ -41,13 +41,13 @@ import gc
 import json
 import os
 import sys
-import traceback
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 import torch  # noqa: E402
+from _report import record_failure  # noqa: E402
 
 import rng  # noqa: E402
 import te_graph  # noqa: E402
@@ -266,11 +266,7 @@ def run_variant(name, reuse, args, order, inputs):
         result["grads"] = [None if g is None else g.detach().cpu() for g in grads]
         del grads, layer_fn, blocks, params
     except Exception as error:  # noqa: BLE001 - report and go on
-        result["error"] = "".join(traceback.format_exception_only(type(error), error)).strip()
-        if args.traceback:
-            traceback.print_exc()
-        with contextlib.suppress(Exception):
-            torch.cuda.synchronize()
+        record_failure(result, error, args.traceback)
     with contextlib.suppress(NameError):
         del graphed
     _free()

@@ -47,13 +47,13 @@ import os
 import statistics
 import sys
 import time
-import traceback
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 import torch  # noqa: E402
+from _report import record_failure  # noqa: E402
 from torch import nn  # noqa: E402
 
 import rng  # noqa: E402
@@ -256,11 +256,7 @@ def run_variant(name, cfg, inputs, args):
             result["peak_reserved_mib"] = torch.cuda.max_memory_reserved() / MIB
         del step, keep
     except Exception as error:  # noqa: BLE001 - report and go on
-        result["error"] = "".join(traceback.format_exception_only(type(error), error)).strip()
-        if args.traceback:
-            traceback.print_exc()
-        with contextlib.suppress(Exception):
-            torch.cuda.synchronize()
+        record_failure(result, error, args.traceback)
     _free()
     return result
 

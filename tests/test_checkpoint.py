@@ -338,31 +338,37 @@ def test_backward_twice_with_retain_graph(use_reentrant):
     assert_states_equal(ref[3], got[3])
 
 
-@REENTRANT
-def test_autocast_recompute_matches_bitwise(use_reentrant):
-    tracker = CudaRNGStatesTracker(device="cpu")
+def autocast_case(device, tracker, use_reentrant):
+    """Checkpointed vs plain under bf16 autocast on ``device``, dropout inside a tracker fork
+    and outside it: outputs, grads and every stream afterwards must be bitwise equal."""
 
     def fn(x, w):
         h = F.gelu(x @ w)
         with tracker.fork():
             h = F.dropout(h, p=0.2, training=True)
-        return h @ w
+        return F.dropout(h @ w, p=0.1, training=True)
 
     def once(ckpt):
         rng.model_parallel_cuda_manual_seed(SEED, tracker=tracker)
-        x0, w0, _, g1, _ = inputs("cpu")
+        x0, w0, _, g1, _ = inputs(device)
         x = x0.clone().requires_grad_()
         w = w0.clone().requires_grad_()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(device, dtype=torch.bfloat16):
             out = (checkpoint(fn, x, w, use_reentrant=use_reentrant, get_rng_state_tracker=lambda: tracker)
                    if ckpt else fn(x, w))
         assert out.dtype == torch.bfloat16
         (out.float() * g1).sum().backward()
-        return out.detach(), x.grad, w.grad
+        return out.detach(), x.grad, w.grad, stream_states(tracker, device)
 
     ref, got = once(False), once(True)
-    for a, b in zip(ref, got):
+    for a, b in zip(ref[:3], got[:3]):
         assert torch.equal(a, b)
+    assert_states_equal(ref[3], got[3])
+
+
+@REENTRANT
+def test_autocast_recompute_matches_bitwise(use_reentrant):
+    autocast_case("cpu", CudaRNGStatesTracker(device="cpu"), use_reentrant)
 
 
 @REENTRANT
@@ -568,30 +574,7 @@ def live_state_references(tracker):
 @pytest.mark.gpu
 @REENTRANT
 def test_autocast_recompute_matches_bitwise_cuda(use_reentrant):
-    tracker = rng.get_cuda_rng_tracker()
-
-    def fn(x, w):
-        h = F.gelu(x @ w)
-        with tracker.fork():
-            h = F.dropout(h, p=0.2, training=True)
-        return F.dropout(h @ w, p=0.1, training=True)
-
-    def once(ckpt):
-        rng.model_parallel_cuda_manual_seed(SEED, tracker=tracker)
-        x0, w0, _, g1, _ = inputs("cuda")
-        x = x0.clone().requires_grad_()
-        w = w0.clone().requires_grad_()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            out = (checkpoint(fn, x, w, use_reentrant=use_reentrant, get_rng_state_tracker=lambda: tracker)
-                   if ckpt else fn(x, w))
-        assert out.dtype == torch.bfloat16
-        (out.float() * g1).sum().backward()
-        return out.detach(), x.grad, w.grad, stream_states(tracker, "cuda")
-
-    ref, got = once(False), once(True)
-    for a, b in zip(ref[:3], got[:3]):
-        assert torch.equal(a, b)
-    assert_states_equal(ref[3], got[3])
+    autocast_case("cuda", rng.get_cuda_rng_tracker(), use_reentrant)
 
 
 @pytest.mark.gpu
