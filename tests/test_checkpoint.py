@@ -132,6 +132,17 @@ def assert_states_equal(a, b):
         assert torch.equal(a[name], b[name]), f"stream {name!r} differs"
 
 
+def assert_checkpoint_matches(run, states_at=3):
+    """``run(ckpt)`` returns tensors then stream states at ``states_at``: the checkpointed
+    run's first three tensors and its streams must equal the plain run's bitwise. Returns
+    both runs' results for further checks."""
+    ref, got = run(False), run(True)
+    for a, b in zip(ref[:3], got[:3]):
+        assert torch.equal(a, b)
+    assert_states_equal(ref[states_at], got[states_at])
+    return ref, got
+
+
 def run(device, tracker, ckpt, use_reentrant=True, seed_streams=None):
     """One forward+backward of ``region``; returns outputs, grads, masks and stream states."""
     (seed_streams or (lambda: rng.model_parallel_cuda_manual_seed(SEED, tracker=tracker)))()
@@ -266,10 +277,7 @@ def test_two_checkpointed_layers_draw_different_masks(use_reentrant):
         (h * g1).sum().backward()
         return h.detach(), x.grad, w.grad, logs, stream_states(tracker, "cpu")
 
-    ref, got = two_layers(False), two_layers(True)
-    for a, b in zip(ref[:3], got[:3]):
-        assert torch.equal(a, b)
-    assert_states_equal(ref[4], got[4])
+    ref, got = assert_checkpoint_matches(two_layers, states_at=4)
     for ref_log, got_log in zip(ref[3], got[3]):
         for masks in got_log:  # forward and recompute
             assert torch.equal(masks[0], ref_log[0][0]) and torch.equal(masks[1], ref_log[0][1])
@@ -305,10 +313,7 @@ def test_checkpoint_called_inside_a_fork(use_reentrant, device):
         (out * g1).sum().backward()
         return out.detach(), x.grad, w.grad, stream_states(tracker, device)
 
-    ref, got = once(False), once(True)
-    for a, b in zip(ref[:3], got[:3]):
-        assert torch.equal(a, b)
-    assert_states_equal(ref[3], got[3])
+    assert_checkpoint_matches(once)
 
 
 @REENTRANT
@@ -332,10 +337,7 @@ def test_backward_twice_with_retain_graph(use_reentrant):
         loss.backward()
         return first, x.grad, w.grad, stream_states(tracker, "cpu")
 
-    ref, got = twice(False), twice(True)
-    for a, b in zip(ref[:3], got[:3]):
-        assert torch.equal(a, b)
-    assert_states_equal(ref[3], got[3])
+    assert_checkpoint_matches(twice)
 
 
 def autocast_case(device, tracker, use_reentrant):
@@ -360,10 +362,7 @@ def autocast_case(device, tracker, use_reentrant):
         (out.float() * g1).sum().backward()
         return out.detach(), x.grad, w.grad, stream_states(tracker, device)
 
-    ref, got = once(False), once(True)
-    for a, b in zip(ref[:3], got[:3]):
-        assert torch.equal(a, b)
-    assert_states_equal(ref[3], got[3])
+    assert_checkpoint_matches(once)
 
 
 @REENTRANT
