@@ -55,7 +55,6 @@ class GraphRunner:
     """Replays a captured forward/backward graph pair on its static buffers."""
 
     def __init__(self, spec: GraphSpec, accumulate_grads_in_graph: bool):
-        self.spec = spec
         self.name = spec.name
         self.static_inputs = spec.static_inputs
         self.static_outputs = spec.output.tensors
