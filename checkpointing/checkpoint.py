@@ -17,10 +17,11 @@ import contextlib
 from typing import Any, Callable
 
 import torch
+import torch.utils._pytree as pytree
 
 import rng
 
-from .distribute import gather_slices, keep_slice
+from .distribute import check_replicated, gather_slices, keep_slice
 from .recompute_state import RecomputeState
 
 __all__ = ["checkpoint"]
@@ -50,11 +51,13 @@ def checkpoint(
     the backward with the forward's exact random numbers.
 
     Args:
-        function: the region to recompute. Tensor or tuple outputs; non-tensor args and
-            kwargs pass through.
+        function: the region to recompute. Any output structure (a tensor, a tuple, a
+            list or dict of tensors and constants); non-tensor args and kwargs pass through.
         use_reentrant: autograd-Function path (True) or saved-tensor-hooks path (False).
         distribute_saved_activations: keep only this rank's 1/TP slice of the first input
-            between forward and backward (needs ``tp_group`` or the default group).
+            between forward and backward (needs ``tp_group`` or the default group). The
+            first input must be the same on every rank of the group (not a sequence-parallel
+            shard); that is checked at every forward.
         get_rng_state_tracker: returns the tracker whose streams the region forks (ours,
             Megatron-core's, apex's or TE's: anything with get_states/set_states/fork);
             defaults to ``rng.get_cuda_rng_tracker()``.
@@ -62,6 +65,15 @@ def checkpoint(
         context_fn: returns two context managers, entered around the forward and around
             the recompute respectively.
     """
+    if args and isinstance(args[0], bool) and any(isinstance(a, torch.Tensor) for a in args[1:]):
+        raise TypeError(
+            f"checkpoint({getattr(function, '__name__', 'function')}, {args[0]}, ...): the "
+            "first argument after the function is a bool, which looks like Megatron's "
+            "argument order checkpoint(function, distribute_saved_activations, *args). Here "
+            "the options are keywords: checkpoint(function, *args, "
+            "distribute_saved_activations=...). (A function whose first argument really is a "
+            "bool: pass it by keyword.)"
+        )
     if not torch.is_grad_enabled():
         return function(*args, **kwargs)
     tracker = get_rng_state_tracker() if get_rng_state_tracker is not None else rng.get_cuda_rng_tracker()
@@ -78,8 +90,8 @@ def checkpoint(
         spec = _Spec(function, kwargs, state, forward_context, recompute_context)
         if distribute_saved_activations:
             spec.tp_group = tp_group
-        outputs = _ReentrantCheckpoint.apply(spec, *args)
-        return outputs[0] if spec.single_output else outputs
+        tensors = _ReentrantCheckpoint.apply(spec, *args)
+        return spec.rebuild(tensors)
     if distribute_saved_activations:
         raise ValueError(
             "checkpoint(distribute_saved_activations=True) needs use_reentrant=True."
@@ -90,7 +102,11 @@ def checkpoint(
 
 
 class _Spec:
-    """Everything the reentrant Function needs besides the tensors it saves."""
+    """Everything the reentrant Function needs besides the tensors it saves.
+
+    The Function hands autograd the tensor leaves of the function's output (so a list or
+    dict of tensors gets its gradients too); ``rebuild`` puts them back in their structure.
+    """
 
     def __init__(self, function, kwargs, state, forward_context, recompute_context):
         self.function = function
@@ -99,7 +115,18 @@ class _Spec:
         self.forward_context = forward_context
         self.recompute_context = recompute_context
         self.tp_group: Any = _NOT_DISTRIBUTED
-        self.single_output = False
+        self.leaves: list = []
+        self.structure = None
+
+    def tensor_leaves(self, outputs: Any) -> tuple:
+        """Record the output structure; return its tensor leaves."""
+        self.leaves, self.structure = pytree.tree_flatten(outputs)
+        return tuple(x for x in self.leaves if isinstance(x, torch.Tensor))
+
+    def rebuild(self, tensors: tuple) -> Any:
+        tensors = iter(tensors)
+        leaves = [next(tensors) if isinstance(x, torch.Tensor) else x for x in self.leaves]
+        return pytree.tree_unflatten(leaves, self.structure)
 
 
 _NOT_DISTRIBUTED = object()
@@ -113,21 +140,23 @@ class _ReentrantCheckpoint(torch.autograd.Function):
     @staticmethod
     def forward(ctx, spec: _Spec, *args: Any) -> Any:
         ctx.spec = spec
+        distributed = spec.tp_group is not _NOT_DISTRIBUTED
+        if distributed and isinstance(args[0], torch.Tensor):
+            check_replicated(args[0], spec.tp_group)  # before anything runs
         with torch.no_grad(), _enter(spec.forward_context), spec.state.forward():
             outputs = spec.function(*args, **spec.kwargs)
-        spec.single_output = not isinstance(outputs, tuple)
         tensors, ctx.layout = [], []
         for index, arg in enumerate(args):
             if isinstance(arg, torch.Tensor):
                 ctx.layout.append((True, arg.requires_grad))
-                if index == 0 and spec.tp_group is not _NOT_DISTRIBUTED:
+                if index == 0 and distributed:
                     ctx.first_shape = arg.shape
                     arg = keep_slice(arg, spec.tp_group)
                 tensors.append(arg)
             else:
                 ctx.layout.append((False, arg))
         ctx.save_for_backward(*tensors)
-        return (outputs,) if spec.single_output else outputs
+        return spec.tensor_leaves(outputs)
 
     @staticmethod
     def backward(ctx, *grads: Any) -> Any:
@@ -145,9 +174,8 @@ class _ReentrantCheckpoint(torch.autograd.Function):
                 tensor = gather_slices(tensor, ctx.first_shape, spec.tp_group)
             inputs.append(tensor.detach().requires_grad_(value))
         with torch.enable_grad(), _enter(spec.recompute_context), spec.state.recompute():
-            outputs = spec.function(*inputs, **spec.kwargs)
-        if not isinstance(outputs, tuple):
-            outputs = (outputs,)
+            outputs = pytree.tree_leaves(spec.function(*inputs, **spec.kwargs))
+        outputs = [o for o in outputs if isinstance(o, torch.Tensor)]
         pairs = [
             (o, g)
             for o, g in zip(outputs, grads)

@@ -5,9 +5,10 @@ Two ways to get the random numbers back:
 * eagerly, content snapshots of every stream (CPU and CUDA default generators and every
   tracker stream) are taken at the forward and copied back in for the recompute; the live
   streams are put back afterwards, so the recompute consumes nothing from them;
-* inside a te_graph capture, the forward region and the recompute draw from a dedicated
-  generator pair that ``rng.graph_streams`` prepared before capture and keeps in step at
-  every replay.
+* inside a te_graph capture, the forward draws from the live streams exactly as eager code
+  does, and the recompute draws from private generators that the capture hook
+  (``checkpointing.capture_hook``) hands out and that te_graph keeps in step with the
+  forward at every replay.
 """
 from __future__ import annotations
 
@@ -17,7 +18,16 @@ from typing import Any, Iterator
 import torch
 
 import rng
-from rng import graph_streams
+
+from .capture_hook import CAPTURE_HOOK
+
+_OUTSIDE_TE_GRAPH = (
+    "checkpoint() is being captured into a CUDA graph without te_graph's capture hook, so "
+    "its recompute could not reproduce the forward's random numbers. Either the graph is "
+    "captured outside te_graph.make_graphed_callables (graph the layer with it instead), or "
+    "a checkpoint() runs inside another checkpointed region's recompute (nested "
+    "checkpoints are not supported inside graphs: checkpoint the outer region only)."
+)
 
 
 def _cuda_capturing() -> bool:
@@ -44,32 +54,27 @@ class RecomputeState:
 
     def __init__(self, tracker: Any):
         self.tracker = tracker
-        self.region = None
-        self.snapshot = None
+        self.recompute_generators = None  # set during a te_graph capture
+        self.snapshot = None  # set when the forward runs eagerly
         self.autocast = [_Autocast("cpu")]
         if torch.cuda.is_available():
             self.autocast.append(_Autocast("cuda"))
-        if _cuda_capturing():
-            self.region = graph_streams.capture_region()
-            if self.region is None:
-                raise RuntimeError(
-                    "checkpoint() is being captured into a CUDA graph outside "
-                    "te_graph.make_graphed_callables, so its recompute could not reproduce the "
-                    "forward's random numbers. Graph the layer with "
-                    "te_graph.make_graphed_callables(), which prepares the recompute streams."
-                )
 
     @contextlib.contextmanager
     def forward(self) -> Iterator[None]:
         """Context for the checkpointed forward."""
-        if self.region is not None:
-            with graph_streams.streams_swapped(self.region.forward, self.tracker, _device()):
-                yield
+        hook = CAPTURE_HOOK.get()
+        if hook is None:
+            if _cuda_capturing():
+                raise RuntimeError(_OUTSIDE_TE_GRAPH)
+            self.snapshot = rng.snapshot_streams(self.tracker)
+            yield
             return
-        self.snapshot = rng.snapshot_streams(self.tracker)
-        token = graph_streams.region_begin()
-        yield
-        graph_streams.region_end(token)
+        with hook.forward_region() as generators:
+            self.recompute_generators = generators
+            if generators is None:  # the hook only observes: an eager region
+                self.snapshot = rng.snapshot_streams(self.tracker)
+            yield
 
     @contextlib.contextmanager
     def recompute(self) -> Iterator[None]:
@@ -77,10 +82,9 @@ class RecomputeState:
         with contextlib.ExitStack() as stack:
             for autocast in self.autocast:
                 stack.enter_context(autocast.context())
-            if self.region is not None:
-                stack.enter_context(
-                    graph_streams.streams_swapped(self.region.backward, self.tracker, _device())
-                )
+            if self.recompute_generators is not None:
+                device = torch.device("cuda", torch.cuda.current_device())
+                stack.enter_context(rng.streams_swapped(self.recompute_generators, self.tracker, device))
                 yield
                 return
             live = rng.snapshot_streams(self.tracker)
@@ -89,7 +93,3 @@ class RecomputeState:
                 yield
             finally:
                 rng.restore_streams(self.tracker, live)
-
-
-def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device())

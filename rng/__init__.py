@@ -1,7 +1,7 @@
-"""Graph-safe RNG states: the named-stream tracker, Megatron seeding and state snapshots.
+"""Graph-safe RNG states: the named-stream tracker, Megatron seeding, state snapshots and
+the live generator objects behind each stream.
 
-``rng`` knows nothing of graphed callables: ``te_graph`` tells it when a capture starts
-and ends and when a graph replays (see ``rng.graph_streams``).
+``rng`` holds RNG state only; it names neither graphs nor checkpoints.
 """
 from .states import (
     RNGState,
@@ -16,6 +16,7 @@ from .states import (
     to_byte_state,
     to_generator_state,
 )
+from .streams import DEFAULT_STREAM, live_stream_generators, streams_swapped
 from .tracker import (
     DATA_PARALLEL_RNG,
     EXPERT_PARALLEL_RNG,
@@ -51,4 +52,7 @@ __all__ = [
     "restore_tracker_states",
     "snapshot_streams",
     "restore_streams",
+    "DEFAULT_STREAM",
+    "live_stream_generators",
+    "streams_swapped",
 ]

@@ -8,11 +8,10 @@ classic Megatron scheme; this is what CPU generators use).
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 
-from .graph_streams import reset_graph_ordinals
 from .states import (
     RNGState,
     default_generator,
@@ -144,7 +143,7 @@ class CudaRNGStatesTracker:
                 self._states[name] = generator.get_state()
                 generator.set_state(previous)
 
-    # -- used by rng.capture: live generator objects, never copies ----------------------
+    # -- used by rng.streams: live generator objects, never copies ---------------------
     def _live_generators(self) -> dict[str, torch.Generator]:
         return {n: s for n, s in self._states.items() if isinstance(s, torch.Generator)}
 
@@ -176,7 +175,7 @@ def model_parallel_cuda_manual_seed(
     ep_rank: int | None = None,
     etp_rank: int | None = None,
     *,
-    tracker: CudaRNGStatesTracker | None = None,
+    tracker: Any = None,
 ) -> None:
     """Seed the default generator and the tracker's streams the way Megatron does.
 
@@ -185,22 +184,37 @@ def model_parallel_cuda_manual_seed(
     * ``'expert-parallel-rng'``: ``seed + 1024 + 100 * ep_rank + etp_rank``;
     * ``'data-parallel-rng'``: ``seed`` (Megatron-core's named copy of the default stream).
 
-    Ranks default to 0 (one rank of each kind). Reseeding also restarts the numbering of
-    graphed callables that recompute seeds derive from, so the same seed and program give
-    the same streams even after earlier captures in the process.
+    Ranks default to 0 (one rank of each kind). ``tracker`` defaults to ours; a duck-typed
+    graph-safe tracker (Megatron-core's, TE's) is reseeded in place where it already has
+    the streams, so graphs captured earlier keep drawing from them.
     """
+    ranks = {"tp_rank": tp_rank, "ep_rank": ep_rank, "etp_rank": etp_rank}
+    for name, value in ranks.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise TypeError(
+                f"model_parallel_cuda_manual_seed: {name} must be an int rank, got "
+                f"{value!r}. Megatron's own function takes flags (te_rng_tracker, "
+                "inference_rng_tracker, ...) in these positions; pass ranks by keyword, "
+                "e.g. model_parallel_cuda_manual_seed(seed, tp_rank=rank)."
+            )
     tracker = tracker if tracker is not None else get_cuda_rng_tracker()
-    tp_rank = tp_rank or 0
-    ep_rank = ep_rank or 0
-    etp_rank = etp_rank or 0
-    tensor_parallel_seed = seed + 2718 + tp_rank
-    expert_parallel_seed = seed + 1024 + 100 * ep_rank + etp_rank
+    tp_rank, ep_rank, etp_rank = tp_rank or 0, ep_rank or 0, etp_rank or 0
+    seeds = {
+        MODEL_PARALLEL_RNG: seed + 2718 + tp_rank,
+        EXPERT_PARALLEL_RNG: seed + 1024 + 100 * ep_rank + etp_rank,
+        DATA_PARALLEL_RNG: seed,
+    }
+    device = getattr(tracker, "device", None)
+    default_generator(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu").manual_seed(seed)
+    if not isinstance(tracker, CudaRNGStatesTracker):
+        live = tracker.get_states()
+        if all(isinstance(live.get(name), torch.Generator) for name in seeds):
+            for name, stream_seed in seeds.items():
+                live[name].manual_seed(stream_seed)  # in place: the objects stay the same
+            return
     tracker.reset()
-    reset_graph_ordinals()
-    default_generator(tracker.device).manual_seed(seed)
-    tracker.add(MODEL_PARALLEL_RNG, tensor_parallel_seed)
-    tracker.add(EXPERT_PARALLEL_RNG, expert_parallel_seed)
-    tracker.add(DATA_PARALLEL_RNG, seed)
+    for name, stream_seed in seeds.items():
+        tracker.add(name, stream_seed)
 
 
 def snapshot_tracker_states(tracker: object) -> dict[str, RNGState]:

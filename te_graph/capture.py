@@ -1,17 +1,23 @@
 """Warmup and capture: the algorithm, told top to bottom.
 
-1. Warmup, on the side stream later used for capture: ``num_warmup_iters`` passes of the
+1. Save what warmup and capture will touch: RNG states, module buffers; put stand-ins in
+   place of the trainable parameters (``parameters``), so autograd accumulates into them
+   and no hook of a real parameter runs while we prepare the graphs.
+2. Warmup, on the side stream later used for capture: ``num_warmup_iters`` passes of the
    schedule (forwards and backwards in run order) so lazy initialisation (cuBLAS handles,
-   autotuning, allocator growth) happens outside any graph. Gradients go to throwaway
-   ``.grad``s; the last pass also records which random streams each checkpointed region
-   draws from (``rng.graph_streams``).
-2. Recompute generators are allocated for those regions (never during capture).
-3. Capture, in run order, into one memory pool: each forward graph, then each backward
-   graph, which runs ``torch.autograd.backward`` with input grads redirected and
-   parameter grads accumulated in place into their persistent buffers (``grads``).
-4. ``finally``: RNG states, ``.grad``s and the garbage collector are put back, so a failed
-   capture leaves the process and the model as they were, and a successful one shifts no
-   user numerics.
+   autotuning, allocator growth) happens outside any graph. The first pass checks for
+   that nothing but the inputs and the modules' parameters requires grad, and for unused
+   inputs; the last pass records which random streams each forward, backward and
+   checkpointed region draws from, and where (``recompute_rng``).
+3. The private recompute generators are allocated (never during capture), and the
+   allocator's cache of warmup memory is released so capture starts from a lean pool.
+4. Capture, in run order, into one memory pool: each forward graph drawing from the live
+   streams, then each backward graph, which runs ``torch.autograd.backward`` with input
+   grads redirected and parameter grads accumulated into their persistent buffers
+   (``grads``), its recompute drawing from the private generators.
+5. ``finally``: parameters, buffers, RNG states, ``.grad``s and the garbage collector are
+   put back, so a failed capture leaves the process and the model as they were and a
+   successful one shifts no user state.
 """
 from __future__ import annotations
 
@@ -19,16 +25,20 @@ import contextlib
 import gc
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.utils._pytree as pytree
 
 import rng
-from rng import graph_streams
+from checkpointing.capture_hook import capture_hook_set
 
 from .grads import ParamGrads, grads_redirected
+from .hooks import CaptureTimeHooks
 from .layout import InputLayout, OutputLayout, weak_alias
+from .module_state import ModuleBuffers
+from .parameters import ForeignLeaves, StandIns
+from .recompute_rng import BackwardDraws, ForwardDraws, RecomputeRNG, TrackerWatch
 from .schedule import Step, plan_buffer_reuse
 
 
@@ -36,25 +46,28 @@ from .schedule import Step, plan_buffer_reuse
 class GraphSpec:
     """One graph pair to capture: a callable with one set of static inputs."""
 
-    name: str
+    name: str  # "callable 2 (GPTBlock)", with ", microbatch 1" under an order
+    owner: str  # the callable's part of the name: "callable 2 (GPTBlock)"
     func: Callable  # what the user passed (module or function)
     call: Callable  # what runs: the function, or the module's own forward (kept if replaced)
     layout: InputLayout
     static_inputs: tuple[torch.Tensor, ...]
-    params: tuple[torch.Tensor, ...]
+    params: tuple[torch.Tensor, ...]  # the real trainable parameters
     training: bool
     needs_backward: bool
     retain_graph: bool = False
+    hooks: Optional[CaptureTimeHooks] = None
     # Filled by capture():
     output: OutputLayout | None = None
     fwd_graph: Any = None
     bwd_graph: Any = None
     static_grad_outputs: tuple = ()
     static_grad_inputs: tuple = ()
-    static_param_grads: tuple = ()
     param_grads: ParamGrads | None = None
-    rng: graph_streams.GraphRNG | None = None
-    logs: tuple = field(default=(), repr=False)
+    rng: RecomputeRNG | None = None
+    watch: TrackerWatch | None = None
+    draws: tuple = field(default=(), repr=False)  # (ForwardDraws, BackwardDraws | None)
+    unused: list = field(default_factory=list, repr=False)  # inputs no output depends on
 
     @property
     def grad_inputs(self) -> tuple[torch.Tensor, ...]:
@@ -78,21 +91,31 @@ class GraphSpec:
 
 
 def make_spec(
-    name: str, func: Callable, args: Sequence, kwargs: dict, grad_enabled: bool, retain_graph: bool
+    name: str,
+    owner: str,
+    func: Callable,
+    args: Sequence,
+    kwargs: dict,
+    grad_enabled: bool,
+    retain_graph: bool,
+    hooks: Optional[CaptureTimeHooks] = None,
 ) -> GraphSpec:
-    """Static inputs are detached leaves sharing the sample tensors' memory."""
+    """Static inputs are detached leaves sharing the sample tensors' memory.
+
+    A backward graph is captured when grad is enabled and something requires grad (an
+    input or a parameter), in train and in eval mode alike, as eager autograd would
+    differentiate either; graphing under ``torch.no_grad()`` makes forward-only graphs.
+    """
     layout = InputLayout(name, args, kwargs)
-    static = tuple(t.detach().requires_grad_(t.requires_grad) for t in layout.samples)
     params: tuple = ()
     training = True
     if isinstance(func, torch.nn.Module):
         params = tuple(p for p in func.parameters() if p.requires_grad)
         training = func.training
-    needs_backward = (
-        grad_enabled and training and (any(t.requires_grad for t in static) or bool(params))
-    )
+    needs_backward = grad_enabled and (any(t.requires_grad for t in layout.samples) or bool(params))
+    static = tuple(t.detach().requires_grad_(t.requires_grad and needs_backward) for t in layout.samples)
     call = func.forward if isinstance(func, torch.nn.Module) else func
-    return GraphSpec(name, func, call, layout, static, params, training, needs_backward, retain_graph)
+    return GraphSpec(name, owner, func, call, layout, static, params, training, needs_backward, retain_graph, hooks)
 
 
 def _signature(spec: GraphSpec) -> tuple:
@@ -124,24 +147,31 @@ def capture_stream() -> "torch.cuda.Stream":
     return _capture_streams[device]
 
 
-def capture(
-    specs: Sequence[GraphSpec],
-    steps: Sequence[Step],
-    *,
-    num_warmup_iters: int,
-    allow_unused_input: bool,
-    accumulate_grads_in_graph: bool,
-    reuse_buffers: bool,
-    pool: Any,
-    tracker: Any,
-    eager_replay: bool,
-) -> None:
-    """Warm up and (unless ``eager_replay``) capture every spec, filling it in place."""
-    snapshot = rng.snapshot_streams(tracker)
+@dataclass
+class CaptureOptions:
+    """How to warm up and capture (everything but the specs and their schedule)."""
+
+    num_warmup_iters: int
+    allow_unused_input: bool
+    reuse_buffers: bool
+    pool: Any
+    tracker: Any
+    eager_replay: bool
+    capture_error_mode: str = "thread_local"
+    pre_warmup_hook: Optional[Callable[[], None]] = None
+    post_warmup_hook: Optional[Callable[[], None]] = None
+
+
+def capture(specs: Sequence[GraphSpec], steps: Sequence[Step], options: CaptureOptions) -> None:
+    """Warm up and (unless ``options.eager_replay``) capture every spec, filling it in place."""
+    modules = _unique_modules(specs)
+    buffers = ModuleBuffers(modules.values(), modules.keys())
+    stand_ins = StandIns(modules.values())
+    snapshot = rng.snapshot_streams(options.tracker)
     gc_enabled = gc.isenabled()
     stream = None
     try:
-        if not eager_replay:
+        if not options.eager_replay:
             torch.cuda.synchronize()
             gc.collect()
             stream = capture_stream()
@@ -149,78 +179,94 @@ def capture(
         # A collection during capture could free a graph or tensor another capture uses.
         gc.disable()
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            _warmup(specs, steps, num_warmup_iters, allow_unused_input, tracker, record=not eager_replay)
-            if eager_replay:
-                return
-            device = torch.device("cuda", torch.cuda.current_device())
-            for spec in specs:
-                forward_log, backward_log = spec.logs
-                spec.rng = graph_streams.GraphRNG.create(
-                    forward_log, backward_log, graph_streams.next_graph_ordinal(), device
-                )
-                spec.logs = ()
-            mempool = pool if pool is not None else torch.cuda.graph_pool_handle()
-            donors = plan_buffer_reuse(steps, [_signature(s) for s in specs]) if reuse_buffers else {}
-            passed_on = {d for d in donors.values() if d is not None}
-            for step in steps:
-                spec = specs[step.flat_index]
-                if step.kind == "forward":
-                    donor = donors.get(step.flat_index)
-                    if donor is not None:
-                        spec.take_buffers_of(specs[donor])
-                    _capture_forward(spec, mempool)
-                elif spec.needs_backward:
-                    _capture_backward(spec, mempool, accumulate_grads_in_graph)
-                    if step.flat_index in passed_on:
-                        spec.release_pool_buffers()
+            with stand_ins.installed():
+                if options.pre_warmup_hook is not None:
+                    options.pre_warmup_hook()
+                _warmup(specs, steps, options, stand_ins, buffers)
+                if options.post_warmup_hook is not None:
+                    options.post_warmup_hook()
+                if options.eager_replay:
+                    return
+                _capture_graphs(specs, steps, options, stand_ins)
+                buffers.check_not_reassigned()
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
     finally:
         if gc_enabled:
             gc.enable()
-        rng.restore_streams(tracker, snapshot)
+        rng.restore_streams(options.tracker, snapshot)
+        buffers.restore()
 
 
-def _warmup(specs, steps, iters: int, allow_unused_input: bool, tracker: Any, record: bool) -> None:
+def _unique_modules(specs: Sequence[GraphSpec]) -> dict[str, torch.nn.Module]:
+    modules: dict[str, torch.nn.Module] = {}
+    seen: set[int] = set()
+    for spec in specs:
+        if isinstance(spec.func, torch.nn.Module) and id(spec.func) not in seen:
+            seen.add(id(spec.func))
+            modules[spec.owner] = spec.func
+    return modules
+
+
+# -- warmup ---------------------------------------------------------------------------------
+def _warmup(specs, steps, options: CaptureOptions, stand_ins: StandIns, buffers: ModuleBuffers) -> None:
+    record = not options.eager_replay
     device = torch.device("cuda", torch.cuda.current_device()) if record else None
-    for iteration in range(iters):
-        recording = record and iteration == iters - 1
+    for iteration in range(options.num_warmup_iters):
+        last = iteration == options.num_warmup_iters - 1
         outputs: dict[int, Any] = {}
-        logs: dict[tuple[str, int], Any] = {}
         for step in steps:
-            kind, index = step.kind, step.flat_index
-            spec = specs[index]
-            if kind == "forward":
-                args, kwargs = spec.layout.unflatten(spec.static_inputs)
-                with _recording(recording, tracker, device) as log, _grad_mode(spec):
-                    outputs[index] = spec.call(*args, **kwargs)
-                logs[kind, index] = log
-                if spec.output is None:
-                    spec.output = OutputLayout(outputs[index])  # the capture replaces it
-                continue
-            if not spec.needs_backward:
-                continue
-            out = _differentiable(outputs.pop(index))
-            with grads_redirected(spec.grad_inputs, spec.params):
-                with _recording(recording, tracker, device) as log:
-                    if out:
-                        torch.autograd.backward(out, [torch.empty_like(o) for o in out])
+            spec = specs[step.flat_index]
+            if step.kind == "forward":
+                outputs[step.flat_index] = _warmup_forward(spec, stand_ins, iteration == 0, last and record, device, options.tracker)
+                buffers.check_not_reassigned()
+            elif spec.needs_backward:
+                _warmup_backward(spec, stand_ins, outputs.pop(step.flat_index), last and record, device, options.tracker)
                 if iteration == 0:
-                    _check_unused(spec, allow_unused_input)
-            logs[kind, index] = log
-        if recording:
-            for index, spec in enumerate(specs):
-                no_backward = graph_streams.RegionLog({})
-                spec.logs = (logs["forward", index], logs.get(("backward", index), no_backward))
+                    _check_unused(spec, options.allow_unused_input)
 
 
-@contextlib.contextmanager
-def _recording(enabled: bool, tracker: Any, device):
-    if not enabled:
-        yield None
-        return
-    with graph_streams.recording_regions(tracker, device) as log:
-        yield log
+def _warmup_forward(spec: GraphSpec, stand_ins: StandIns, first: bool, record: bool, device, tracker) -> Any:
+    args, kwargs = spec.layout.unflatten(spec.static_inputs)
+    draws = ForwardDraws(rng.live_stream_generators(tracker, device)) if record else None
+    # In the first pass, before any backward could accumulate into a foreign leaf.
+    watcher = ForeignLeaves(spec.static_inputs + stand_ins(spec.params)) if first else None
+    hooks = spec.hooks
+    if hooks is not None:
+        hooks.forward_pre(spec.func, args, kwargs)
+    with capture_hook_set(draws), watcher if watcher is not None else contextlib.nullcontext(), _grad_mode(spec):
+        outputs = spec.call(*args, **kwargs)
+    if hooks is not None:
+        hooks.forward(spec.func, args, kwargs, outputs)
+    if watcher is not None:
+        watcher.raise_if_any(spec.name)
+    if draws is not None:
+        draws.close()
+        spec.draws = (draws, None)
+    if spec.output is None:
+        spec.output = OutputLayout(spec.name, outputs)  # the capture replaces it
+    return outputs
+
+
+def _warmup_backward(spec: GraphSpec, stand_ins: StandIns, outputs: Any, record: bool, device, tracker) -> None:
+    out = _differentiable(outputs)
+    grads = [torch.zeros_like(o) for o in out]
+    draws = BackwardDraws(rng.live_stream_generators(tracker, device)) if record else None
+    if spec.hooks is not None:
+        spec.hooks.backward_pre(spec.func, tuple(grads))
+    with grads_redirected(spec.grad_inputs):
+        if out:
+            torch.autograd.backward(out, grads)
+        grad_inputs = tuple(t.grad for t in spec.grad_inputs)
+        # Unused-input check reads the .grads before they are put back.
+        spec.unused = [i for i, t in enumerate(spec.static_inputs) if t.requires_grad and t.grad is None]
+    if spec.hooks is not None:
+        spec.hooks.backward(spec.func, grad_inputs, tuple(grads))
+    for p in stand_ins(spec.params):
+        p.grad = None  # throwaway: the next pass starts clean
+    if draws is not None:
+        draws.close()
+        spec.draws = (spec.draws[0], draws)
 
 
 def _grad_mode(spec: GraphSpec):
@@ -228,15 +274,40 @@ def _grad_mode(spec: GraphSpec):
 
 
 def _check_unused(spec: GraphSpec, allow_unused_input: bool) -> None:
-    if allow_unused_input:
+    if allow_unused_input or not spec.unused:
         return
-    for index, t in enumerate(spec.static_inputs):
-        if t.requires_grad and t.grad is None:
-            raise ValueError(
-                f"make_graphed_callables: input {index} of {spec.name} requires grad, but no "
-                "output depends on it. Pass allow_unused_input=True, or pass it with "
-                "requires_grad=False."
-            )
+    raise ValueError(
+        f"make_graphed_callables: input {spec.unused[0]} of {spec.name} requires grad, but no "
+        "output depends on it. Pass allow_unused_input=True, or pass it with "
+        "requires_grad=False."
+    )
+
+
+# -- capture --------------------------------------------------------------------------------
+def _capture_graphs(specs, steps, options: CaptureOptions, stand_ins: StandIns) -> None:
+    device = torch.device("cuda", torch.cuda.current_device())
+    for spec in specs:
+        forward, backward = spec.draws
+        spec.rng = RecomputeRNG.create(forward, backward, device)
+        spec.watch = TrackerWatch.needed(options.tracker, forward.streams)
+        spec.draws = ()
+    # Warmup's activations sit in the allocator's cache of the capture stream, where
+    # nothing but another warmup can use them; release them before the pool grows.
+    torch.cuda.empty_cache()
+    mempool = options.pool if options.pool is not None else torch.cuda.graph_pool_handle()
+    donors = plan_buffer_reuse(steps, [_signature(s) for s in specs]) if options.reuse_buffers else {}
+    passed_on = {d for d in donors.values() if d is not None}
+    for step in steps:
+        spec = specs[step.flat_index]
+        if step.kind == "forward":
+            donor = donors.get(step.flat_index)
+            if donor is not None:
+                spec.take_buffers_of(specs[donor])
+            _capture_forward(spec, mempool, options.capture_error_mode)
+        elif spec.needs_backward:
+            _capture_backward(spec, mempool, options.capture_error_mode, stand_ins)
+            if step.flat_index in passed_on:
+                spec.release_pool_buffers()
 
 
 def _register_generators(graph: Any, generators: Sequence[torch.Generator]) -> None:
@@ -246,12 +317,12 @@ def _register_generators(graph: Any, generators: Sequence[torch.Generator]) -> N
 
 
 @contextlib.contextmanager
-def _capturing(graph: Any, mempool: Any, generators: Sequence[torch.Generator]):
+def _capturing(graph: Any, mempool: Any, generators: Sequence[torch.Generator], mode: str):
     """Capture into ``graph``; if the body fails, end the capture and take every generator
     the graph registered out of capture mode (torch skips that when capture_end fails,
     which would break every later random draw in the process)."""
     _register_generators(graph, generators)
-    graph.capture_begin(pool=mempool, capture_error_mode="thread_local")
+    graph.capture_begin(pool=mempool, capture_error_mode=mode)
     try:
         yield
     except BaseException:
@@ -272,17 +343,23 @@ def _end_generator_capture(generators: Sequence[torch.Generator]) -> None:
         graph.capture_end()
 
 
-def _capture_forward(spec: GraphSpec, mempool: Any) -> None:
+def _capture_forward(spec: GraphSpec, mempool: Any, mode: str) -> None:
     graph = torch.cuda.CUDAGraph()
     args, kwargs = spec.layout.unflatten(spec.static_inputs)
-    with _capturing(graph, mempool, spec.rng.generators_to_register("forward")):
-        with spec.rng.capturing_forward(), _grad_mode(spec):
+    regions = spec.rng.capture_hook()
+    if spec.hooks is not None:
+        spec.hooks.forward_pre(spec.func, args, kwargs)
+    with _capturing(graph, mempool, spec.rng.forward_generators, mode):
+        with capture_hook_set(regions), _grad_mode(spec):
             outputs = spec.call(*args, **kwargs)
-    spec.output = OutputLayout(outputs)
+    regions.check_complete()
+    if spec.hooks is not None:
+        spec.hooks.forward(spec.func, args, kwargs, outputs)
+    spec.output = OutputLayout(spec.name, outputs)
     spec.fwd_graph = graph
 
 
-def _capture_backward(spec: GraphSpec, mempool: Any, in_graph: bool) -> None:
+def _capture_backward(spec: GraphSpec, mempool: Any, mode: str, stand_ins: StandIns) -> None:
     outputs = spec.output.tensors
     if not spec.static_grad_outputs:  # else taken over from a buffer donor
         spec.static_grad_outputs = tuple(
@@ -290,25 +367,23 @@ def _capture_backward(spec: GraphSpec, mempool: Any, in_graph: bool) -> None:
         )
     differentiable = [o for o in outputs if o.requires_grad]
     grads = [g for g in spec.static_grad_outputs if g is not None]
-    if in_graph:
-        spec.param_grads = ParamGrads(spec.params)
-        buffers = spec.param_grads.buffers
-    else:
-        buffers = None
+    spec.param_grads = ParamGrads(spec.params)
+    stand = stand_ins(spec.params)
     graph = torch.cuda.CUDAGraph()
-    with grads_redirected(spec.grad_inputs, spec.params, buffers):
-        with _capturing(graph, mempool, spec.rng.generators_to_register("backward")):
+    if spec.hooks is not None:
+        spec.hooks.backward_pre(spec.func, tuple(grads))
+    with grads_redirected(spec.grad_inputs, stand, spec.param_grads.buffers):
+        with _capturing(graph, mempool, spec.rng.backward_generators, mode):
             if differentiable:
                 torch.autograd.backward(differentiable, grads, retain_graph=spec.retain_graph)
         spec.static_grad_inputs = tuple(t.grad if t.requires_grad else None for t in spec.static_inputs)
-        if in_graph:
-            for p, b in zip(spec.params, buffers):
-                if p.grad is not b:
-                    raise RuntimeError(
-                        f"make_graphed_callables: autograd replaced the gradient of a parameter of "
-                        f"{spec.name} instead of accumulating into it during capture. Pass "
-                        "accumulate_grads_in_graph=False."
-                    )
-        else:
-            spec.static_param_grads = tuple(p.grad for p in spec.params)
+        for p, b in zip(stand, spec.param_grads.buffers):
+            if p.grad is not b:
+                raise RuntimeError(
+                    f"make_graphed_callables: autograd replaced the gradient of a parameter of "
+                    f"{spec.name} instead of accumulating into it during capture (a sparse or "
+                    "differently laid out gradient?); such a parameter cannot be graphed."
+                )
+    if spec.hooks is not None:
+        spec.hooks.backward(spec.func, tuple(g for g in spec.static_grad_inputs if g is not None), tuple(grads))
     spec.bwd_graph = graph

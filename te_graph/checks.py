@@ -4,11 +4,13 @@ Each error says what is wrong and what to do; docs/troubleshooting.md lists them
 """
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, Sequence
 
 import torch
 
 from .layout import InputLayout, describe
+from .replay import graphed_callable_of
 
 EAGER_REPLAY_HINT = (
     "To debug on a machine without graphs, pass eager_replay=True (or set "
@@ -31,6 +33,63 @@ def check_environment(eager_replay: bool) -> None:
         )
 
 
+def check_callables(modules: Any) -> tuple[Callable, ...]:
+    """The callables as a tuple: a callable, or a tuple/list of distinct, ungraphed ones."""
+    if isinstance(modules, torch.nn.ModuleList):
+        raise TypeError(
+            "make_graphed_callables: modules is an nn.ModuleList, which has no forward to graph; "
+            "pass tuple(module_list) to graph each of its modules."
+        )
+    if inspect.isgenerator(modules) or isinstance(modules, (map, filter)):
+        raise TypeError(
+            "make_graphed_callables: modules is a generator; pass a tuple (tuple(...)), since "
+            "the modules are indexed and the result has the same form."
+        )
+    callables = tuple(modules) if isinstance(modules, (tuple, list)) else (modules,)
+    if not callables:
+        raise ValueError("make_graphed_callables: no callables given; pass at least one.")
+    seen: dict[int, int] = {}
+    for index, c in enumerate(callables):
+        if not callable(c):
+            raise TypeError(
+                f"make_graphed_callables: callable {index} is a {type(c).__name__}, which cannot "
+                "be called; pass modules or functions."
+            )
+        if id(c) in seen:
+            raise ValueError(
+                f"make_graphed_callables: callable {index} is the same object as callable "
+                f"{seen[id(c)]}; graph each module once (for several microbatches of one "
+                "layer, pass order=... and one sample set per microbatch)."
+            )
+        seen[id(c)] = index
+        graphed = graphed_callable_of(c)
+        if graphed is None and isinstance(c, torch.nn.Module):
+            graphed = next(
+                (graphed_callable_of(m) for m in c.modules() if graphed_callable_of(m) is not None), None
+            )
+        if graphed is not None:
+            raise ValueError(
+                f"make_graphed_callables: callable {index} ({type(c).__name__}) is already graphed, "
+                f"or holds a module that is ({graphed!r}); graphs cannot nest. Graph the "
+                "original modules once (free old graphs with te_graph.reset(...), and "
+                "`del module.forward` brings back a module's eager forward)."
+            )
+    return callables
+
+
+def check_warmup_iters(num_warmup_iters: Any) -> None:
+    if isinstance(num_warmup_iters, bool) or not isinstance(num_warmup_iters, int):
+        raise TypeError(
+            f"make_graphed_callables: num_warmup_iters must be an int, got "
+            f"{num_warmup_iters!r} ({type(num_warmup_iters).__name__})."
+        )
+    if num_warmup_iters < 1:
+        raise ValueError(
+            f"make_graphed_callables: num_warmup_iters={num_warmup_iters}; at least 1 warmup "
+            "pass is needed (it also learns which random streams each recomputed region uses)."
+        )
+
+
 def check_modules(callables: Sequence[Callable]) -> None:
     """No hooks (they would run once, at capture), no buffer requiring grad, one mode."""
     modes = {}
@@ -48,8 +107,10 @@ def check_modules(callables: Sequence[Callable]) -> None:
                 where = f"submodule {name!r} of callable {index}" if name else f"callable {index}"
                 raise ValueError(
                     f"make_graphed_callables: {where} has hooks registered ({', '.join(hooks)}); "
-                    "hooks would run only once, during capture. Remove them before graphing "
-                    "(hooks registered on the module after graphing are fine)."
+                    "hooks would run only during capture, never at replay. Remove them before "
+                    "graphing (hooks registered on the module after graphing run around the "
+                    "graphed forward), or pass them as capture_time_hooks=... to run them "
+                    "while the graphs are prepared."
                 )
         for name, buffer in c.named_buffers():
             if buffer.requires_grad:

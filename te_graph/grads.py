@@ -5,17 +5,27 @@ backward runs through ``torch.autograd.backward`` (reentrant checkpoint refuses
 ``torch.autograd.grad``), and the new ``.grad``s are the static grad inputs; the old
 values are put back afterwards.
 
-Parameters (``accumulate_grads_in_graph=True``): each parameter's ``.grad`` is a
-persistent buffer at a fixed address, and the captured backward accumulates into it
-(autograd's in-place ``grad += new``), so no per-parameter accumulation runs outside the
-graph and no grad handed to autograd aliases graph memory (PyTorch issue 181723). Graphs
-that share a parameter share its buffer. ``zero_grad(set_to_none=True)`` and grads
-assigned by the user are handled before each backward replay.
+Parameters: each trainable parameter has one persistent gradient buffer at a fixed address,
+shared by every graph that uses the parameter, and the captured backward accumulates into
+it (autograd's in-place ``grad += new``, captured inside the graph). A replay then takes
+one of two paths, chosen at each call:
+
+* **in the graph** (the fast path): the parameter's ``.grad`` *is* its buffer, so the
+  replay leaves the gradient where eager code would, with no per-parameter work outside
+  the graph and no graph memory handed to autograd (PyTorch issue 181723);
+* **through autograd**, when something observes per-parameter gradients: DDP (its reducer
+  hooks the gradient accumulators), hooks on the parameter (``register_hook``,
+  ``register_post_accumulate_grad_hook``), parameters with Megatron's ``main_grad`` (its
+  DDP hooks the accumulators too) or ``accumulate_grads_in_graph=False``. The buffer is
+  zeroed, the replay leaves the fresh gradient in it, and the graphed call hands it to
+  autograd as the parameter's gradient, so accumulation and every hook run exactly as in
+  eager code, once per backward.
 """
 from __future__ import annotations
 
 import contextlib
 import operator
+import weakref
 from typing import Iterator, Sequence
 
 import torch
@@ -23,16 +33,34 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 _grad_of = operator.attrgetter("grad")
 
-# Keyed by identity: a plain WeakKeyDictionary would compare tensors with ``==``.
+# Parameter -> weak reference to its buffer. Keyed by identity (a plain WeakKeyDictionary
+# would compare tensors with ``==``); the buffer lives as long as a graph that accumulates
+# into it or the parameter's ``.grad`` holds it, so ``reset()`` can free it.
 _buffers = WeakIdKeyDictionary()
+
+try:  # DDP marks the module whose forward is running (torch >= 2.0); feature-detected.
+    from torch.nn.parallel import DistributedDataParallel as _DDP
+except ImportError:  # pragma: no cover - torch built without distributed
+    _DDP = None
+
+
+def ddp_forward_active() -> bool:
+    """True inside the forward of a ``DistributedDataParallel`` module."""
+    return _DDP is not None and getattr(_DDP, "_active_ddp_module", None) is not None
+
+
+def has_grad_hooks(param: torch.Tensor) -> bool:
+    """True when hooks on ``param`` observe its gradient (tensor or post-accumulate hooks)."""
+    return bool(param._backward_hooks) or bool(getattr(param, "_post_accumulate_grad_hooks", None))
 
 
 def grad_buffer(param: torch.Tensor) -> torch.Tensor:
-    """The persistent buffer ``param.grad`` is accumulated into by every graph."""
-    buffer = _buffers.get(param)
+    """The persistent buffer ``param``'s gradient is accumulated into by every graph."""
+    ref = _buffers.get(param)
+    buffer = ref() if ref is not None else None
     if buffer is None:
-        buffer = param.grad if param.grad is not None else torch.zeros_like(param)
-        _buffers[param] = buffer
+        buffer = torch.zeros_like(param)
+        _buffers[param] = weakref.ref(buffer)
     return buffer
 
 
@@ -69,12 +97,16 @@ class ParamGrads:
         self.params = tuple(params)
         self.buffers = tuple(grad_buffer(p) for p in self.params)
 
-    def prepare(self) -> None:
-        """Before a backward replay: make each ``param.grad`` its buffer, keeping its value.
+    def observed(self) -> bool:
+        """Whether hooks on any of the parameters observe its gradient."""
+        return any(map(has_grad_hooks, self.params))
+
+    def prepare_in_graph(self) -> None:
+        """Before an in-graph replay: make each ``param.grad`` its buffer, keeping its value.
 
         A grad set to None since (``zero_grad(set_to_none=True)``) starts from zero; a
-        tensor the user assigned is copied in. The common case costs one identity check
-        per parameter.
+        tensor the user (or the autograd path) left there is copied in. The common case
+        costs one identity check per parameter.
         """
         params, buffers = self.params, self.buffers
         if all(map(operator.is_, map(_grad_of, params), buffers)):
@@ -88,3 +120,28 @@ class ParamGrads:
             if grad is not None:
                 buffers[i].copy_(grad)
             params[i].grad = buffers[i]
+
+    def prepare_autograd(self) -> None:
+        """Before a replay whose parameter grads go through autograd: the buffers start from
+        zero and are nobody's ``.grad`` (a gradient kept in one, by the in-graph path or
+        handed out uncloned, is moved out first)."""
+        for p, b in zip(self.params, self.buffers):
+            grad = p.grad
+            if grad is not None and grad.data_ptr() == b.data_ptr():
+                p.grad = grad.clone()
+        if self.buffers:
+            torch._foreach_zero_(list(self.buffers))
+
+    def for_autograd(self, clone: bool) -> tuple[torch.Tensor, ...]:
+        """After the replay: each parameter's fresh gradient, to hand to autograd.
+
+        With ``clone`` the gradient is copied wherever autograd or a hook could keep it (the
+        parameter has no ``.grad`` yet, or tensor hooks see it); otherwise autograd adds it
+        into the existing ``.grad`` and lets it go, so the buffer itself is handed over.
+        """
+        if not clone:
+            return tuple(b.detach() for b in self.buffers)
+        return tuple(
+            b.clone() if p.grad is None or p._backward_hooks else b.detach()
+            for p, b in zip(self.params, self.buffers)
+        )

@@ -12,12 +12,30 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-__all__ = ["InputLayout", "OutputLayout", "describe", "weak_alias"]
+__all__ = ["InputLayout", "OutputLayout", "describe", "describe_value", "weak_alias"]
 
 
 def describe(t: torch.Tensor) -> str:
     """``shape/dtype/device`` of a tensor, for error messages."""
     return f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
+
+
+def describe_value(value: Any) -> str:
+    """A short description of an argument value for error messages (never a tensor dump)."""
+    if isinstance(value, torch.Tensor):
+        return f"a tensor ({describe(value)})"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _structure(spec: Any) -> str:
+    """A pytree structure drawn with ``*`` for each leaf: ``(*, [*, *])``."""
+    return repr(pytree.tree_unflatten([_Leaf()] * spec.num_leaves, spec))
+
+
+class _Leaf:
+    def __repr__(self) -> str:
+        return "*"
 
 
 def weak_alias(t: torch.Tensor) -> torch.Tensor:
@@ -62,14 +80,27 @@ class InputLayout:
 
     def flatten(self, args: tuple, kwargs: Mapping[str, Any]) -> list[torch.Tensor]:
         """The call's tensors in static-input order, after checking they fit the capture."""
+        tensors = self.gather(args, kwargs)
+        self.check(tensors)
+        return tensors
+
+    def gather(self, args: tuple, kwargs: Mapping[str, Any]) -> list[torch.Tensor]:
+        """The call's tensors in static-input order, after checking the argument structure,
+        the keywords and the constants (not the tensors themselves: see ``check``)."""
         if self.flat_args and len(args) == self.num_args:
             tensors = list(args)
         else:
             leaves, spec = pytree.tree_flatten(tuple(args))
             if spec != self.args_spec:
+                if self.flat_args and spec == pytree.tree_flatten(tuple(leaves))[1]:
+                    got = f"{len(args)} positional argument(s)"
+                    want = f"{self.num_args}"
+                else:
+                    got = f"positional arguments shaped {_structure(spec)}"
+                    want = f"{_structure(self.args_spec)} (* = a tensor)"
                 raise ValueError(
-                    f"{self.name}: positional arguments have structure {spec}, but the graph was "
-                    f"captured with {self.args_spec}; pass arguments as in sample_args."
+                    f"{self.name}: called with {got}, but the graph was captured with {want}; "
+                    "pass positional arguments as in sample_args."
                 )
             tensors = leaves
         if kwargs.keys() != self._kw_set:
@@ -81,12 +112,17 @@ class InputLayout:
             now = kwargs[key]
             if now is not value and (isinstance(now, torch.Tensor) or now != value):
                 raise ValueError(
-                    f"{self.name}: keyword argument {key!r} is {now!r} but was {value!r} at "
-                    "capture; non-tensor keyword arguments are baked into the graph. Capture "
-                    "another graph for the other value."
+                    f"{self.name}: keyword argument {key!r} is {describe_value(now)} but was "
+                    f"{describe_value(value)} at capture; non-tensor keyword arguments are baked "
+                    "into the graph. Capture another graph for the other value."
                 )
         for key in self.tensor_keys:
             tensors.append(kwargs[key])
+        return tensors
+
+    def check(self, tensors: Sequence[Any]) -> None:
+        """Each tensor has the shape, dtype and device of its sample, and requires grad only
+        where its sample did."""
         for t, (shape, dtype, device, grad) in zip(tensors, self._meta):
             # One check per tensor on the hot path; the slow path says what differs.
             if not (
@@ -94,7 +130,6 @@ class InputLayout:
                 and t.device == device and (grad or not t.requires_grad)
             ):
                 self._raise_mismatch(tensors)
-        return tensors
 
     def _raise_mismatch(self, tensors: Sequence[Any]) -> None:
         for index, (t, (shape, dtype, device, grad)) in enumerate(zip(tensors, self._meta)):
@@ -131,8 +166,14 @@ class InputLayout:
 class OutputLayout:
     """What the callable returned at capture: its tensors become static outputs."""
 
-    def __init__(self, outputs: Any):
+    def __init__(self, name: str, outputs: Any):
         leaves, self.spec = pytree.tree_flatten(outputs)
+        if not any(isinstance(leaf, torch.Tensor) for leaf in leaves):
+            raise ValueError(
+                f"make_graphed_callables: {name} returned {describe_value(outputs)}, which holds "
+                "no tensor; a graphed callable must return a tensor, or a tuple, list or dict "
+                "holding tensors (its results are the graph's static outputs)."
+            )
         self.tensor_slots = tuple(i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor))
         self.leaves = list(leaves)
         self.single = isinstance(outputs, torch.Tensor)

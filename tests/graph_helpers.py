@@ -2,7 +2,9 @@
 bitwise comparisons."""
 from __future__ import annotations
 
+import contextlib
 import copy
+from typing import Any
 
 import torch
 from torch import nn
@@ -42,28 +44,6 @@ def run_layers(layers, x, **kwargs):
     return x
 
 
-def sample_like(x, requires_grad=True):
-    return torch.randn_like(x).requires_grad_(requires_grad)
-
-
-def train_steps(layers, params, inputs, steps=3, micro=2, lr=0.1, **kwargs):
-    """SGD steps of ``micro`` accumulated microbatches (zero_grad(set_to_none=False)).
-
-    Returns per-microbatch outputs and input grads, and the final parameters."""
-    opt = torch.optim.SGD(params, lr=lr)
-    outputs, input_grads = [], []
-    it = iter(inputs)
-    for _ in range(steps):
-        opt.zero_grad(set_to_none=False)
-        for _ in range(micro):
-            x = next(it).detach().requires_grad_(True)
-            y = run_layers(layers, x, **kwargs)
-            (y.float() * torch.linspace(-1, 1, y.numel(), device=y.device).view_as(y)).sum().backward()
-            outputs.append(y.detach().clone())
-            input_grads.append(x.grad.clone())
-    return outputs, input_grads, [p.detach().clone() for p in params]
-
-
 def assert_all_equal(a, b, what):
     assert len(a) == len(b), what
     for i, (x, y) in enumerate(zip(a, b)):
@@ -72,3 +52,47 @@ def assert_all_equal(a, b, what):
 
 def clone_modules(modules):
     return [copy.deepcopy(m) for m in modules]
+
+
+class DuckTracker:
+    """Megatron-core's tracker as a duck: on CUDA its graph-safe mode (generator objects,
+    get_states() hands out references, fork() swaps with graphsafe_set_state); on CPU its
+    classic mode (byte states copied in and out of the default generator)."""
+
+    def __init__(self, device: str):
+        self.device = device
+        self.states_: dict[str, Any] = {}
+
+    def reset(self):
+        self.states_ = {}
+
+    def add(self, name, seed):
+        if self.device == "cuda":
+            self.states_[name] = torch.Generator(device="cuda").manual_seed(seed)
+        else:
+            self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+    def get_states(self):
+        return dict(self.states_)
+
+    def set_states(self, states):
+        self.states_ = states
+
+    @contextlib.contextmanager
+    def fork(self, name=rng.MODEL_PARALLEL_RNG):
+        if self.device == "cuda":
+            default = torch.cuda.default_generators[torch.cuda.current_device()]
+            previous = default.graphsafe_get_state()
+            default.graphsafe_set_state(self.states_[name])
+            try:
+                yield
+            finally:
+                default.graphsafe_set_state(previous)
+            return
+        previous = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(previous)

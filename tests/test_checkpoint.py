@@ -515,6 +515,47 @@ def test_non_reentrant_recompute_that_saves_differently_is_reported():
         out.sum().backward()
 
 
+@REENTRANT
+@pytest.mark.parametrize("container", ["list", "dict", "nested"])
+def test_container_outputs_get_their_grads(use_reentrant, container):
+    """Outputs in a list, a dict or nested structures keep their structure, their
+    constants and their gradients, bitwise the plain run's."""
+    w = torch.randn(6, requires_grad=True)
+
+    def fn(t):
+        a, b = t * w, (t + w).sin()
+        if container == "list":
+            return [a, b]
+        if container == "dict":
+            return {"a": a, "b": b, "note": "kept"}
+        return (a, {"inner": [b, None]}, 3)
+
+    def loss(out):
+        leaves = [x for x in torch.utils._pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
+        return sum((leaf * (i + 1)).sum() for i, leaf in enumerate(leaves))
+
+    x = torch.randn(6, requires_grad=True)
+    plain = fn(x)
+    loss(plain).backward()
+    want = (x.grad.clone(), w.grad.clone())
+    x.grad = w.grad = None
+    got = checkpoint(fn, x, use_reentrant=use_reentrant)
+    assert type(got) is type(plain)
+    assert torch.utils._pytree.tree_structure(got) == torch.utils._pytree.tree_structure(plain)
+    loss(got).backward()
+    assert torch.equal(x.grad, want[0]) and torch.equal(w.grad, want[1])
+
+
+def test_megatrons_argument_order_is_refused():
+    x = torch.randn(8, requires_grad=True)
+    with pytest.raises(TypeError, match=re.escape(
+            "checkpoint(<lambda>, False, ...): the first argument after the function is a bool, "
+            "which looks like Megatron's argument order checkpoint(function, "
+            "distribute_saved_activations, *args). Here the options are keywords: "
+            "checkpoint(function, *args, distribute_saved_activations=...)")):
+        checkpoint(lambda flag, t: t * 2, False, x)
+
+
 def test_distribute_saved_activations_errors_without_a_group():
     x = torch.randn(8, requires_grad=True)
     with pytest.raises(ValueError, match=re.escape(
@@ -622,8 +663,7 @@ def test_checkpoint_captured_outside_te_graph_is_refused():
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with pytest.raises(RuntimeError, match=re.escape(
-            "checkpoint() is being captured into a CUDA graph outside "
-            "te_graph.make_graphed_callables")):
+            "checkpoint() is being captured into a CUDA graph without te_graph's capture hook")):
         with torch.cuda.graph(graph, stream=stream):
             checkpoint(lambda t: t * 2, x)
     torch.cuda.current_stream().wait_stream(stream)
@@ -632,8 +672,11 @@ def test_checkpoint_captured_outside_te_graph_is_refused():
 
 
 @pytest.mark.gpu
-def test_recording_regions_sees_the_streams_each_region_uses():
-    from rng import graph_streams
+def test_warmup_hook_sees_the_streams_and_offsets_of_each_region():
+    """The hook te_graph sets in its last warmup pass learns, per checkpointed region, the
+    streams it draws from and where inside the forward its draws begin."""
+    from checkpointing.capture_hook import capture_hook_set
+    from te_graph.recompute_rng import ForwardDraws
 
     tracker = rng.get_cuda_rng_tracker()
     rng.model_parallel_cuda_manual_seed(SEED, tracker=tracker)
@@ -647,13 +690,12 @@ def test_recording_regions_sees_the_streams_each_region_uses():
         with tracker.fork():
             return F.dropout(t, p=0.5, training=True)
 
-    with graph_streams.recording_regions(tracker, device) as log:
-        with pytest.raises(RuntimeError, match=re.escape("rng.recording_regions() does not nest.")):
-            with graph_streams.recording_regions(tracker, device):
-                pass
-        h = checkpoint(default_only, x)
+    draws = ForwardDraws(rng.live_stream_generators(tracker, device))
+    with capture_hook_set(draws):
+        h = F.dropout(x, p=0.5, training=True)  # before any region: 4 offsets of the default
+        h = checkpoint(default_only, h)
         h = checkpoint(tracked_only, h)
         h = checkpoint(lambda t: t * 2, h)
-        h = F.dropout(h, p=0.5, training=True)  # outside any region
-    assert log.regions == [(graph_streams.DEFAULT_STREAM,), (MODEL_PARALLEL_RNG,), ()]
-    assert log.outside == (graph_streams.DEFAULT_STREAM,)
+    draws.close()
+    assert [r.offsets for r in draws.regions] == [{rng.DEFAULT_STREAM: 4}, {MODEL_PARALLEL_RNG: 0}, {}]
+    assert draws.used == (rng.DEFAULT_STREAM, MODEL_PARALLEL_RNG)

@@ -90,6 +90,19 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
             odd_error = None
         except ValueError as error:
             odd_error = str(error)
+        # A sequence-parallel shard (a different first input on each rank) is refused
+        # before the region runs: gathering the slices would rebuild someone else's input.
+        shard = torch.randn(6, 4, 16, generator=torch.Generator().manual_seed(100 + rank), requires_grad=True)
+        cpu_before = torch.get_rng_state()
+        try:
+            checkpoint(
+                _region, shard, 1.0, distribute_saved_activations=True, tp_group=group,
+                get_rng_state_tracker=lambda: tracker, w=w0, tracker=tracker, log=[],
+            )
+            shard_error = None
+        except ValueError as error:
+            shard_error = str(error)
+        shard_untouched = torch.equal(cpu_before, torch.get_rng_state())
         torch.save(
             dict(
                 ref={k: v for k, v in ref.items() if k != "saved"},
@@ -100,6 +113,8 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
                 n_saved=len(saved),
                 x0=x0,
                 odd_error=odd_error,
+                shard_error=shard_error,
+                shard_untouched=shard_untouched,
             ),
             os.path.join(out_dir, f"rank{rank}.pt"),
         )
@@ -138,6 +153,14 @@ def test_distribute_saved_activations_on_two_gloo_ranks(tmp_path):
             ),
             result["odd_error"],
         ), result["odd_error"]
+        assert result["shard_error"] is not None and result["shard_error"].startswith(
+            "checkpoint(distribute_saved_activations=True): the first input differs between the "
+            "ranks of the tensor-parallel group (a sequence-parallel shard?)."
+        ), result["shard_error"]
+        assert result["shard_error"].endswith(
+            "Pass distribute_saved_activations=False when the input is sharded."
+        )
+        assert result["shard_untouched"], f"rank {rank}: the refused region drew random numbers"
 
     # 'model-parallel-rng' keeps its tensor-parallel meaning: each rank drew its own mask.
     assert not torch.equal(results[0]["ref"]["masks"][0], results[1]["ref"]["masks"][0])

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import re
 
 import pytest
 import torch
@@ -43,7 +44,7 @@ def test_hooks_on_a_submodule():
     m = Lin()
     m.lin.register_forward_hook(lambda *a: None)
     forward = m.forward
-    with pytest.raises(ValueError, match=r"submodule 'lin' of callable 0 has hooks registered \(_forward_hooks\); hooks would run only once, during capture\. Remove them before graphing"):
+    with pytest.raises(ValueError, match=r"submodule 'lin' of callable 0 has hooks registered \(_forward_hooks\); hooks would run only during capture, never at replay\. Remove them before graphing .*or pass them as capture_time_hooks=\.\.\."):
         make_graphed_callables(m, (_x(),), eager_replay=True)
     _unchanged(m, forward)
 
@@ -174,7 +175,8 @@ def test_autocast_cache_enabled():
 @pytest.mark.gpu
 def test_replay_input_on_another_device():
     graphed = make_graphed_callables(Lin("cuda"), (_x("cuda"),))
-    with pytest.raises(ValueError, match=r"positional input 0 has shape \(3, 4\), dtype torch.float32, device cpu, but the graph was captured with shape \(3, 4\), dtype torch.float32, device cuda:0"):
+    here = f"cuda:{torch.cuda.current_device()}"
+    with pytest.raises(ValueError, match=r"positional input 0 has shape \(3, 4\), dtype torch.float32, device cpu, but the graph was captured with shape \(3, 4\), dtype torch.float32, device " + here):
         graphed(_x("cpu"))
 
 
@@ -204,3 +206,170 @@ def test_failed_graph_capture_leaves_process_usable():
     good = make_graphed_callables(Lin("cuda"), (_x("cuda"),))
     good(_x("cuda")).sum().backward()
     torch.cuda.synchronize()
+
+
+# -- refused before anything changes: the module, its grads and buffers, the RNG ------------------
+class _State:
+    """What a refused call must leave as it was."""
+
+    def __init__(self, module):
+        self.module = module
+        self.forward = module.forward if isinstance(module, nn.Module) else None
+        self.params = {n: (p, p.detach().clone(), None if p.grad is None else p.grad.clone()) for n, p in module.named_parameters()} if isinstance(module, nn.Module) else {}
+        self.buffers = {n: (b, b.clone()) for n, b in module.named_buffers()} if isinstance(module, nn.Module) else {}
+        self.cpu = torch.get_rng_state()
+        self.tracker = {k: rng.to_byte_state(v) for k, v in rng.get_cuda_rng_tracker().get_states().items()}
+
+    def assert_unchanged(self):
+        m = self.module
+        if isinstance(m, nn.Module):
+            assert "forward" not in m.__dict__ or m.forward == self.forward, "forward replaced"
+            for name, (p, value, grad) in self.params.items():
+                assert dict(m.named_parameters())[name] is p, f"parameter {name} replaced"
+                assert torch.equal(p, value), f"parameter {name} changed"
+                assert (p.grad is None) == (grad is None), f"grad of {name} changed"
+                assert grad is None or torch.equal(p.grad, grad), f"grad of {name} changed"
+            for name, (b, value) in self.buffers.items():
+                assert dict(m.named_buffers())[name] is b, f"buffer {name} replaced"
+                assert torch.equal(b, value), f"buffer {name} changed"
+        assert torch.equal(torch.get_rng_state(), self.cpu), "CPU generator moved"
+        now = {k: rng.to_byte_state(v) for k, v in rng.get_cuda_rng_tracker().get_states().items()}
+        assert now.keys() == self.tracker.keys() and all(torch.equal(now[k], self.tracker[k]) for k in now)
+
+
+def _refused(error, message, call, *modules):
+    rng.model_parallel_cuda_manual_seed(11)
+    states = [_State(m) for m in modules]
+    with pytest.raises(error, match=message):
+        call()
+    for state in states:
+        state.assert_unchanged()
+
+
+X = _x()  # samples made once: a refused call must not even move the CPU generator
+X1 = (X,)
+X2 = ((X,), (_x(),))
+
+
+def test_bad_call_forms_are_refused():
+    a, b = Lin(), Lin()
+    _refused(TypeError, re.escape("sample_kwargs is one dict, but several callables were given; pass a tuple with one dict per callable"),
+             lambda: make_graphed_callables((a, b), (X2), sample_kwargs={"scale": 1.0}, eager_replay=True), a, b)
+    _refused(TypeError, re.escape("modules is an nn.ModuleList, which has no forward to graph; pass tuple(module_list)"),
+             lambda: make_graphed_callables(nn.ModuleList([a, b]), (X2), eager_replay=True), a, b)
+    _refused(TypeError, re.escape("modules is a generator; pass a tuple (tuple(...))"),
+             lambda: make_graphed_callables((m for m in (a, b)), (X2), eager_replay=True), a, b)
+    _refused(TypeError, re.escape("sample_args is a single tensor for 2 callables; give a tuple with one tuple of sample tensors per callable"),
+             lambda: make_graphed_callables((a, b), X, eager_replay=True), a, b)
+    _refused(TypeError, re.escape("num_warmup_iters must be an int, got '3' (str)."),
+             lambda: make_graphed_callables(a, X1, num_warmup_iters="3", eager_replay=True), a)
+    _refused(TypeError, re.escape("pool is a str; pass te_graph.graph_pool_handle(), a torch.cuda.MemPool, or a graphed callable"),
+             lambda: make_graphed_callables(a, X1, pool="mine"), a)
+    _refused(TypeError, re.escape("got both modules and callables=; pass one of them."),
+             lambda: make_graphed_callables(a, X1, callables=a, eager_replay=True), a)
+
+
+@pytest.mark.parametrize("returns", [None, 3], ids=["None", "int"])
+def test_callable_returning_no_tensor(returns):
+    def f(x):
+        x.sum()
+        return returns
+
+    _refused(ValueError, re.escape(f"callable 0 (f) returned {returns!r}, which holds no tensor; a graphed callable must return a tensor, or a tuple, list or dict holding tensors"),
+             lambda: make_graphed_callables(f, X1, eager_replay=True))
+
+
+def test_wrong_argument_count_and_tensor_constant_are_described():
+    graphed = make_graphed_callables(Lin(), X1, sample_kwargs={"scale": 2.0}, eager_replay=True)
+    with pytest.raises(ValueError, match=re.escape("callable 0 (Lin): called with 2 positional argument(s), but the graph was captured with 1; pass positional arguments as in sample_args.")):
+        graphed(X, X, scale=2.0)
+    with pytest.raises(ValueError, match=re.escape("callable 0 (Lin): keyword argument 'scale' is a tensor (shape (3,), dtype torch.float32, device cpu) but was 2.0 at capture")):
+        graphed(X, scale=torch.ones(3))
+
+
+def test_regraphing_is_refused():
+    a = Lin()
+    make_graphed_callables(a, X1, eager_replay=True)
+    _refused(ValueError, re.escape("callable 0 (Lin) is already graphed, or holds a module that is (<graphed callable 0 (Lin)>); graphs cannot nest."),
+             lambda: make_graphed_callables(a, X1, eager_replay=True), a)
+    outer = nn.Sequential(a)
+    _refused(ValueError, re.escape("callable 0 (Sequential) is already graphed, or holds a module that is"),
+             lambda: make_graphed_callables(outer, X1, eager_replay=True), outer)
+    b = Lin()
+    _refused(ValueError, re.escape("callable 1 is the same object as callable 0; graph each module once (for several microbatches of one layer, pass order=..."),
+             lambda: make_graphed_callables((b, b), (X2), eager_replay=True), b)
+
+
+class _ReassignsBuffer(Lin):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("count", torch.zeros(()))
+
+    def forward(self, x):
+        self.count = self.count + 1
+        return self.lin(x)
+
+
+class _UpdatesBuffer(Lin):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("count", torch.zeros(()))
+
+    def forward(self, x):
+        self.count.add_(1)
+        return self.lin(x)
+
+
+def test_reassigned_buffer_is_refused_and_updated_buffers_are_restored():
+    m = _ReassignsBuffer()
+    _refused(ValueError, re.escape("the forward of callable 0 (_ReassignsBuffer) reassigns its buffer 'count' (like `self.count = self.count + 1`); a graph cannot replay that") + ".*" + re.escape("`self.count.add_(1)`"),
+             lambda: make_graphed_callables(m, X1, eager_replay=True), m)
+    m = _UpdatesBuffer()
+    graphed = make_graphed_callables(m, X1, num_warmup_iters=3, eager_replay=True)
+    assert m.count.item() == 0, "warmup's buffer updates were undone"
+    graphed(X)
+    assert m.count.item() == 1
+
+
+def test_tensor_closed_over_that_requires_grad_is_refused():
+    w = torch.randn(4, 4, requires_grad=True)
+
+    def f(x):
+        return x @ w
+
+    _refused(ValueError, re.escape("callable 0 (f) uses 1 tensor(s) that require grad but are neither its inputs nor parameters of a graphed module (shape (4, 4), dtype torch.float32, device cpu)") + ".*" + re.escape("Pass such a tensor as an input"),
+             lambda: make_graphed_callables(f, X1, eager_replay=True))
+    assert w.grad is None
+
+
+def test_double_backward_is_refused():
+    graphed = make_graphed_callables(Lin(), X1, eager_replay=True)
+    x = X
+    y = graphed(x)
+    with pytest.raises(RuntimeError, match=re.escape("callable 0 (Lin): double backward (create_graph=True, or torch.autograd.grad(..., create_graph=True)) through a graphed callable is not supported")):
+        torch.autograd.grad(y.square().sum(), x, create_graph=True)
+
+
+def test_wgrad_split_order_is_not_implemented():
+    a = Lin()
+    _refused(NotImplementedError, re.escape("order holds fractional entries (Transformer Engine's wgrad-split schedule, -c-0.5 with backward_dw())") + ".*" + re.escape("Use the integer order"),
+             lambda: make_graphed_callables((a,), (X1,), _order=[1, -1, -1.5], _num_layers_per_chunk=[1], eager_replay=True), a)
+
+
+def test_bad_capture_time_hooks():
+    a, b = Lin(), Lin()
+    samples = (X2)
+    _refused(ValueError, re.escape("capture_time_hooks has 1 entries for 2 callables; give one entry (None or a dict) per callable."),
+             lambda: make_graphed_callables((a, b), samples, capture_time_hooks=[None], eager_replay=True), a, b)
+    _refused(ValueError, re.escape("capture_time_hooks for callable 1 (Lin) has unknown key(s) ['forward'];"),
+             lambda: make_graphed_callables((a, b), samples, capture_time_hooks=[None, {"forward": {}}], eager_replay=True), a, b)
+    _refused(RuntimeError, re.escape("a capture-time forward hook of callable 0 (Lin) returned a value; capture-time hooks only observe"),
+             lambda: make_graphed_callables((a, b), samples, capture_time_hooks=[{"forward_hooks": {0: lambda m, args, out: out}}, None], eager_replay=True), a, b)
+
+
+@pytest.mark.skipif(CUDA, reason="checks the CPU-only machine's error")
+def test_graph_pool_handle_without_cuda():
+    import te_graph
+
+    with pytest.raises(RuntimeError, match=re.escape("te_graph.graph_pool_handle(): CUDA is not available, and a graph memory pool lives on a CUDA device. In eager replay (eager_replay=True) no pool is needed")):
+        te_graph.graph_pool_handle()

@@ -1,6 +1,8 @@
 """The RNG contract for recompute (DESIGN.md, "RNG under recompute"), proven through three
 paths that share one test: plain eager ``checkpoint``, te_graph's eager-replay mode, and
-CUDA graphs with the recompute inside the backward graph."""
+CUDA graphs with the recompute inside the backward graph. The graphed and eager-replay
+masks are compared with the eager run's (graphs on = graphs off); tests/test_parity.py
+proves the same for whole training runs."""
 from __future__ import annotations
 
 import contextlib
@@ -13,39 +15,11 @@ from torch import nn
 import rng
 from checkpointing import checkpoint
 from te_graph import make_graphed_callables
+from tests.graph_helpers import DuckTracker
 
 P = 0.5
 SHAPE = (64, 4, 32)
 VARIANTS = ["default", "tracker", "both", "nested", "two_regions", "outside"]
-
-
-class MegatronStyleTracker:
-    """A duck-typed graph-safe tracker the way Megatron-core writes one: generator states,
-    get_states() hands out references, set_states() stores what it is given."""
-
-    def __init__(self):
-        self.states_ = {}
-
-    def add(self, name, seed):
-        g = torch.Generator(device="cuda")
-        g.manual_seed(seed)
-        self.states_[name] = g
-
-    def get_states(self):
-        return dict(self.states_)
-
-    def set_states(self, states):
-        self.states_ = states
-
-    @contextlib.contextmanager
-    def fork(self, name="model-parallel-rng"):
-        default = torch.cuda.default_generators[torch.cuda.current_device()]
-        previous = default.graphsafe_get_state()
-        default.graphsafe_set_state(self.states_[name])
-        try:
-            yield
-        finally:
-            default.graphsafe_set_state(previous)
 
 
 class MaskLayer(nn.Module):
@@ -92,20 +66,13 @@ class MaskLayer(nn.Module):
 def _tracker_factory(kind):
     if kind == "ours":
         return rng.get_cuda_rng_tracker
-    tracker = MegatronStyleTracker()
+    tracker = DuckTracker("cuda")
     return lambda: tracker
 
 
 def _seed(seed, get_tracker, tp_rank=0):
-    tracker = get_tracker()
-    if isinstance(tracker, rng.CudaRNGStatesTracker):
-        rng.model_parallel_cuda_manual_seed(seed, tp_rank=tp_rank)
-        return
-    torch.cuda.manual_seed(seed)
-    tracker.states_ = {}
-    tracker.add("model-parallel-rng", seed + 2718 + tp_rank)
-    tracker.add("expert-parallel-rng", seed + 1024)
-    rng.graph_streams.reset_graph_ordinals()
+    """Megatron's seeding; a duck tracker is reseeded in place once it has its streams."""
+    rng.model_parallel_cuda_manual_seed(seed, tp_rank=tp_rank, tracker=get_tracker())
 
 
 def _build(mode, device, get_tracker, variants, seed=0, tp_rank=0, **graph_kwargs):
@@ -142,11 +109,23 @@ def _step(layers, device, twice=False):
 
 
 def _mask_contract(mode, device, tracker_kind="ours", steps=5, **kwargs):
+    """Recompute masks equal the forward's at every backward, differ between layers and
+    steps, and (graphs and eager replay) equal the masks of the eager run."""
     get_tracker = _tracker_factory(tracker_kind)
-    layers = _build(mode, device, get_tracker, VARIANTS + VARIANTS[:2], **kwargs.pop("graph", {}))
+    graph_options = kwargs.pop("graph", {})
+    eager = _build("eager", device, get_tracker, VARIANTS + VARIANTS[:2])
+    layers = _build(mode, device, get_tracker, VARIANTS + VARIANTS[:2], **graph_options)
     previous = None
     for step in range(steps):
+        state = torch.get_rng_state(), _INPUTS.get_state()
+        _seed(100 + step, get_tracker)
+        eager_zero, _ = _step(eager, device, **kwargs)
+        torch.set_rng_state(state[0])
+        _INPUTS.set_state(state[1])
+        _seed(100 + step, get_tracker)
         out_zero, grad_zero = _step(layers, device, **kwargs)
+        for i, (a, b) in enumerate(zip(out_zero, eager_zero)):
+            assert torch.equal(a, b), f"step {step}, layer {i} ({VARIANTS[i % 6]}): mask differs from the eager run's"
         for i, (o, g) in enumerate(zip(out_zero, grad_zero)):
             assert o.any(), "dropout dropped nothing"
             assert torch.equal(o, g), f"step {step}, layer {i} ({VARIANTS[i % 6]}): recompute mask differs from forward mask"

@@ -14,7 +14,6 @@ import torch
 
 import rng
 from rng import DATA_PARALLEL_RNG, EXPERT_PARALLEL_RNG, MODEL_PARALLEL_RNG, CudaRNGStatesTracker
-from rng import graph_streams
 
 N = 257  # odd on purpose: no draw lines up with a Philox block of four
 
@@ -333,25 +332,46 @@ def test_tracker_snapshot_helpers_on_our_tracker():
         assert torch.equal(torch.rand(N), first)
 
 
-# -- graph_streams pieces that need no GPU -------------------------------------------------
-def test_derived_seeds_are_stable_and_distinct():
-    seed = graph_streams._derived_seed
-    assert seed(1, "<default>", 0, 0) == seed(1, "<default>", 0, 0)
-    values = {
-        seed(base, stream, ordinal, region)
-        for base in (1, 2)
-        for stream in ("<default>", MODEL_PARALLEL_RNG)
-        for ordinal in (0, 1)
-        for region in (0, 1)
-    }
-    assert len(values) == 16
-    assert all(0 <= v < 2**63 for v in values)
+# -- Megatron's call forms -----------------------------------------------------------------
+def test_manual_seed_refuses_megatrons_flag_in_the_rank_position():
+    tracker = cpu_tracker()
+    with pytest.raises(TypeError, match=re.escape(
+            "model_parallel_cuda_manual_seed: tp_rank must be an int rank, got True. Megatron's "
+            "own function takes flags (te_rng_tracker, inference_rng_tracker, ...) in these "
+            "positions; pass ranks by keyword")):
+        rng.model_parallel_cuda_manual_seed(5, True, tracker=tracker)
+    assert not tracker.is_initialized(), "nothing was seeded"
 
 
-def test_no_capture_region_outside_a_capture():
-    assert graph_streams.capture_region() is None
-    assert graph_streams.region_begin() is None
-    graph_streams.region_end(None)  # no-op
+class GeneratorDictTracker:
+    """Megatron-core's graph-safe tracker shape: generator objects in a dict that
+    get_states() copies and set_states() replaces."""
+
+    def __init__(self):
+        self.states_ = {}
+
+    def add(self, name, seed):
+        self.states_[name] = torch.Generator().manual_seed(seed)
+
+    def get_states(self):
+        return dict(self.states_)
+
+    def set_states(self, states):
+        self.states_ = states
+
+    def reset(self):
+        self.states_ = {}
+
+
+def test_reseeding_a_duck_tracker_keeps_its_generator_objects():
+    tracker = GeneratorDictTracker()
+    rng.model_parallel_cuda_manual_seed(1, tracker=tracker)  # first seeding adds the streams
+    objects = dict(tracker.states_)
+    rng.model_parallel_cuda_manual_seed(2, tp_rank=1, tracker=tracker)
+    assert all(tracker.states_[k] is g for k, g in objects.items()), "reseeded in place"
+    assert tracker.states_[MODEL_PARALLEL_RNG].initial_seed() == 2 + 2718 + 1
+    assert tracker.states_[EXPERT_PARALLEL_RNG].initial_seed() == 2 + 1024
+    assert tracker.states_[DATA_PARALLEL_RNG].initial_seed() == 2
 
 
 # -- GPU: graph-safe states ------------------------------------------------------------------

@@ -1,0 +1,219 @@
+"""The arguments and methods Transformer Engine's and torch's callers use, and several
+shapes per callable: each exercised through eager replay on the CPU and through graphs on
+a GPU, against the eager module (bitwise)."""
+from __future__ import annotations
+
+import gc
+import re
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import rng
+import te_graph
+from te_graph import Samples, make_graphed_callables
+from tests.graph_helpers import clone_modules, make_blocks, run_layers
+
+MODES = [
+    pytest.param("cpu", True, id="eager-replay-cpu"),
+    pytest.param("cuda", False, id="graphs", marks=pytest.mark.gpu),
+]
+SHAPE = (16, 2, 64)
+
+
+def _sample(device, seq=SHAPE[0]):
+    return torch.randn(seq, *SHAPE[1:], device=device, requires_grad=True)
+
+
+def _train_and_compare(graphed, reference, device, seqs=(SHAPE[0],), steps=2):
+    for step in range(steps):
+        seq = seqs[step % len(seqs)]
+        x = torch.randn(seq, *SHAPE[1:], device=device, requires_grad=True)
+        x_ref = x.detach().clone().requires_grad_(True)
+        y, y_ref = run_layers(graphed, x), run_layers(reference, x_ref)
+        y.sum().backward()
+        y_ref.sum().backward()
+        assert torch.equal(y, y_ref), f"step {step}: output"
+        assert torch.equal(x.grad, x_ref.grad), f"step {step}: input grad"
+    for (name, p), q in zip(
+        [(n, p) for g in graphed for n, p in g.named_parameters()],
+        [p for r in reference for p in r.parameters()],
+    ):
+        assert torch.equal(p.grad, q.grad), f"grad of {name}"
+
+
+@pytest.mark.parametrize("device, eager_replay", MODES)
+def test_capture_time_hooks_run_while_preparing_and_never_at_replay(device, eager_replay):
+    blocks = make_blocks(n=2, device=device)
+    calls = []
+
+    def record(kind, index):
+        def hook(module, *args):
+            assert module is blocks[index]
+            if device == "cuda":
+                assert not torch.cuda.is_current_stream_capturing(), "hooks run outside the graph"
+            calls.append((kind, index))
+        return hook
+
+    def hooks_of(index):
+        return {
+            "forward_pre_hooks": {0: record("fwd-pre", index), 1: lambda m, a, kw: calls.append(("fwd-pre-kw", index))},
+            "forward_pre_hooks_with_kwargs": {1},
+            "forward_hooks": {0: record("fwd", index)},
+            "backward_pre_hooks": {0: record("bwd-pre", index)},
+            "backward_hooks": {0: record("bwd", index)},
+        }
+
+    phases = []
+    graphed = make_graphed_callables(
+        tuple(blocks), tuple((_sample(device),) for _ in blocks), num_warmup_iters=2,
+        capture_time_hooks=[hooks_of(0), hooks_of(1)], eager_replay=eager_replay,
+        pre_warmup_hook=lambda: phases.append(("pre", len(calls))),
+        post_warmup_hook=lambda: phases.append(("post", len(calls))),
+    )
+    one_pass = [
+        ("fwd-pre", 0), ("fwd-pre-kw", 0), ("fwd", 0), ("fwd-pre", 1), ("fwd-pre-kw", 1), ("fwd", 1),
+        ("bwd-pre", 1), ("bwd", 1), ("bwd-pre", 0), ("bwd", 0),
+    ]
+    passes = 2 if eager_replay else 3  # warmup passes, and the capture
+    assert calls == one_pass * passes
+    assert phases == [("pre", 0), ("post", 2 * len(one_pass))], "once around the whole warmup"
+    run_layers(graphed, _sample(device)).sum().backward()
+    assert len(calls) == len(one_pass) * passes, "never replayed"
+
+
+@pytest.mark.parametrize("device, eager_replay", MODES)
+def test_torch_keywords_and_reset(device, eager_replay):
+    blocks = make_blocks(n=2, device=device)
+    reference = clone_modules(blocks)
+    graphed = make_graphed_callables(
+        callables=tuple(blocks), sample_args=tuple((_sample(device),) for _ in blocks),
+        capture_error_mode="global", eager_replay=eager_replay,
+    )
+    _train_and_compare(graphed, reference, device)
+    graphed[0].reset()  # TE's method on the module
+    with pytest.raises(RuntimeError, match=re.escape(
+            "callable 0 (GPTBlock): this graphed callable was reset(), which freed its graphs and "
+            "buffers. Graph it again with make_graphed_callables; for a module, `del module.forward` "
+            "brings back its eager forward.")):
+        graphed[0](_sample(device))
+    te_graph.reset(graphed)  # everything the call made
+    del graphed[0].forward
+    x = _sample(device)
+    assert torch.equal(graphed[0](x)[0], reference[0](x)[0]), "the eager forward is back"
+
+
+@pytest.mark.parametrize("device, eager_replay", MODES)
+def test_several_shapes_with_dropout_and_recompute_equal_eager(device, eager_replay):
+    """Each call's shape picks its graph; masks are eager's for every shape (the RNG
+    contract holds per shape); an unseen shape names the captured ones."""
+    blocks = make_blocks(n=2, device=device, dropout=0.1, recompute=True)
+    reference = clone_modules(blocks)
+    graphed = make_graphed_callables(
+        tuple(blocks), tuple((_sample(device, 16),) for _ in blocks),
+        more_shapes=[tuple((_sample(device, 8),) for _ in blocks), Samples(tuple((_sample(device, 4),) for _ in blocks))],
+        eager_replay=eager_replay,
+    )
+    seqs = (16, 8, 4, 8, 16)
+    runs = []
+    for layers in (graphed, reference):
+        rng.model_parallel_cuda_manual_seed(3)
+        data = torch.Generator().manual_seed(5)
+        run = []
+        for seq in seqs:
+            x = torch.randn(seq, *SHAPE[1:], generator=data).to(device).requires_grad_(True)
+            y = run_layers(layers, x)
+            (y * y).sum().backward()
+            run.append((y.detach(), x.grad))
+        runs.append(run)
+    for step, ((y, gx), (y_ref, gx_ref)) in enumerate(zip(*runs)):
+        assert torch.equal(y, y_ref), f"step {step} (seq {seqs[step]}): output"
+        assert torch.equal(gx, gx_ref), f"step {step} (seq {seqs[step]}): input grad"
+    for p, q in zip((p for b in blocks for p in b.parameters()), (q for r in reference for q in r.parameters())):
+        assert torch.equal(p.grad, q.grad)
+    with pytest.raises(ValueError, match=re.escape(
+            "callable 0 (GPTBlock): called with tensor shapes (5, 2, 64), but graphs were captured "
+            "for (16, 2, 64); (8, 2, 64); (4, 2, 64). Pass more_shapes=[...]")):
+        graphed[0](_sample(device, 5))
+
+
+@pytest.mark.parametrize("device, eager_replay", MODES)
+def test_unseen_shape_runs_eagerly_when_asked(device, eager_replay):
+    blocks = make_blocks(n=2, device=device)
+    reference = clone_modules(blocks)
+    graphed = make_graphed_callables(
+        tuple(blocks), tuple((_sample(device, 16),) for _ in blocks),
+        more_shapes=[tuple((_sample(device, 8),) for _ in blocks)], unseen_shape="eager",
+        eager_replay=eager_replay,
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _train_and_compare(graphed, reference, device, seqs=(16, 8, 12), steps=6)
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 2, messages  # once per callable
+    assert messages[0].startswith("callable 0 (GPTBlock): no graph for tensor shapes (12, 2, 64) "
+                                  "(captured: (16, 2, 64); (8, 2, 64)); running it eagerly")
+
+
+@pytest.mark.parametrize("device, eager_replay", MODES)
+def test_mixing_shapes_before_their_backwards_is_refused(device, eager_replay):
+    blocks = make_blocks(n=1, device=device)
+    graphed = make_graphed_callables(
+        tuple(blocks), ((_sample(device, 16),),), more_shapes=[((_sample(device, 8),),)],
+        eager_replay=eager_replay,
+    )
+    y16, _ = graphed[0](_sample(device, 16))
+    y8, _ = graphed[0](_sample(device, 8))
+    y8.sum().backward()  # the latest shape's backward is fine
+    with pytest.raises(RuntimeError, match=re.escape(
+            "callable 0 (GPTBlock): this backward belongs to a forward replay of shape (16, 2, 64), "
+            "but since then graphs of shape (8, 2, 64) replayed, and the graphs of every shape share "
+            "one memory pool")):
+        y16.sum().backward()
+
+
+# -- GPU only: pools ------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["handle-positional", "mempool", "graphed-callable"])
+def test_pool_forms(kind):
+    first = make_blocks(n=1, device="cuda")
+    graphed_first = make_graphed_callables(tuple(first), ((_sample("cuda"),),))
+    blocks = make_blocks(n=2, device="cuda")
+    reference = clone_modules(blocks)
+    samples = tuple((_sample("cuda"),) for _ in blocks)
+    if kind == "handle-positional":  # torch's call: callables, sample_args, iters, unused, pool
+        graphed = make_graphed_callables(tuple(blocks), samples, 2, False, te_graph.graph_pool_handle())
+    elif kind == "mempool":
+        if not hasattr(torch.cuda, "MemPool"):
+            pytest.skip("this torch has no torch.cuda.MemPool")
+        graphed = make_graphed_callables(tuple(blocks), samples, pool=torch.cuda.MemPool())
+    else:
+        graphed = make_graphed_callables(tuple(blocks), samples, pool=graphed_first[0])
+        assert graphed[0].forward.pool == graphed_first[0].forward.pool
+    _train_and_compare(graphed, reference, "cuda")
+
+
+@pytest.mark.gpu
+def test_reset_gives_the_pool_memory_back():
+    def footprint():
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        return torch.cuda.memory_reserved()
+
+    warm = make_blocks(n=1, device="cuda")  # the capture stream's workspaces, once per process
+    te_graph.reset(make_graphed_callables(tuple(warm), ((_sample("cuda"),),)))
+    blocks = make_blocks(n=4, device="cuda", hidden=256)
+    samples = tuple((torch.randn(128, 4, 256, device="cuda", requires_grad=True),) for _ in blocks)
+    before = footprint()
+    graphed = make_graphed_callables(tuple(blocks), samples)
+    run_layers(graphed, torch.randn(128, 4, 256, device="cuda", requires_grad=True)).sum().backward()
+    for p in (p for b in blocks for p in b.parameters()):
+        p.grad = None
+    during = footprint()
+    te_graph.reset(graphed)
+    after = footprint()
+    assert during > before, "the graphs hold pool memory"
+    assert after == before, f"reset left {(after - before) / 2**20:.1f} MiB reserved"

@@ -1,0 +1,297 @@
+"""Graphs on = graphs off: one differential harness over a matrix of training setups.
+
+Each setup trains a few SGD steps of accumulated microbatches three ways: eagerly, through
+te_graph's eager replay (CPU and GPU) and through CUDA graphs (GPU), from the same seeds,
+and every observable is compared bitwise (``torch.equal``) with the eager run: outputs,
+input grads, parameter grads at every step, weights after the optimizer steps, module
+buffers, what parameter hooks saw and how often they ran, Megatron-style ``main_grad``s.
+
+Adding a setup is one line in ``SETUPS``. Multi-rank setups (DDP, tensor and pipeline
+parallel) run the same comparison in tests/test_multi_gpu.py.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import rng
+from checkpointing import checkpoint
+from examples.gpt import GPTBlock
+from te_graph import Samples, make_graphed_callables
+from tests.graph_helpers import DuckTracker, Stack
+
+HIDDEN, HEADS, SEQ, BATCH = 32, 4, 16, 2
+
+
+# -- layers besides GPTBlock --------------------------------------------------------------------
+class BufferedBlock(nn.Module):
+    """Updates buffers in place in its forward: running statistics and a step counter."""
+
+    def __init__(self, device, dtype):
+        super().__init__()
+        self.lin = nn.Linear(HIDDEN, HIDDEN, device=device, dtype=dtype)
+        self.register_buffer("running_mean", torch.zeros(HIDDEN, device=device, dtype=dtype))
+        self.register_buffer("calls", torch.zeros((), device=device, dtype=torch.long))
+
+    def forward(self, x, attention_mask=None):
+        y = self.lin(x)
+        if self.training:
+            with torch.no_grad():
+                self.running_mean.mul_(0.9).add_(y.mean(dim=(0, 1)), alpha=0.1)
+                self.calls.add_(1)
+        return torch.tanh(y), None
+
+
+class ContainerBlock(nn.Module):
+    """A reentrant checkpoint whose function returns a dict of tensors and a constant."""
+
+    def __init__(self, device, dtype):
+        super().__init__()
+        self.a = nn.Linear(HIDDEN, HIDDEN, device=device, dtype=dtype)
+        self.b = nn.Linear(HIDDEN, HIDDEN, device=device, dtype=dtype)
+
+    def _body(self, x):
+        return {"main": self.a(x).relu(), "side": self.b(x).sin(), "note": "kept"}
+
+    def forward(self, x, attention_mask=None):
+        out = checkpoint(self._body, x)
+        return out["main"] + out["side"], None
+
+
+# -- the setups ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Setup:
+    """One training setup; every field has the plain default."""
+
+    id: str
+    layer: str = "gpt"  # "gpt", "buffers", "containers"
+    blocks: int = 3
+    dropout: float = 0.0
+    recompute: str = "none"  # "none", "reentrant", "non-reentrant"
+    dtype: torch.dtype = torch.float32
+    stack: bool = False  # graph the blocks as one module
+    tracker: str = "ours"  # "ours", "duck" (Megatron-style)
+    input_grad: bool = True  # the real first input requires grad
+    eval: bool = False  # train in eval mode (no dropout), grads still flow
+    hooks: tuple = ()  # "tensor", "post_accumulate", "main_grad"
+    hooks_first: bool = False  # register the hooks before graphing (else after)
+    set_to_none: bool = False  # zero_grad(set_to_none=True)
+    seq_lengths: tuple = (SEQ,)  # several: graphed for each (more_shapes), steps cycle
+    options: tuple = ()  # extra make_graphed_callables keyword arguments, as pairs
+    gpu_only: bool = False
+
+    def __str__(self) -> str:
+        return self.id
+
+
+SETUPS = [
+    Setup("plain"),
+    Setup("stack", stack=True),
+    Setup("bf16", dtype=torch.bfloat16),
+    Setup("dropout", dropout=0.1),
+    Setup("dropout-stack", dropout=0.1, stack=True),
+    Setup("recompute", dropout=0.1, recompute="reentrant"),
+    Setup("recompute-non-reentrant", dropout=0.1, recompute="non-reentrant"),
+    Setup("recompute-stack-bf16", dropout=0.1, recompute="reentrant", stack=True, dtype=torch.bfloat16),
+    Setup("recompute-bf16-non-reentrant", dropout=0.1, recompute="non-reentrant", dtype=torch.bfloat16),
+    Setup("recompute-duck-tracker", dropout=0.1, recompute="reentrant", tracker="duck"),
+    Setup("input-without-grad", dropout=0.1, input_grad=False),
+    Setup("input-without-grad-recompute", dropout=0.1, recompute="non-reentrant", input_grad=False),
+    Setup("eval-mode-with-grad", dropout=0.1, eval=True),
+    Setup("tensor-hooks", hooks=("tensor",)),
+    Setup("tensor-hooks-first", hooks=("tensor",), hooks_first=True, dropout=0.1, recompute="reentrant"),
+    Setup("post-accumulate-hooks", hooks=("post_accumulate",)),
+    Setup("megatron-main-grad", hooks=("main_grad",), hooks_first=True, dropout=0.1, recompute="reentrant"),
+    Setup("main-grad-uncloned", hooks=("main_grad",), hooks_first=True, options=(("clone_param_grads_on_return", False),)),
+    Setup("grads-through-autograd", options=(("accumulate_grads_in_graph", False),)),
+    Setup("set-to-none", set_to_none=True, dropout=0.1),
+    Setup("buffers", layer="buffers"),
+    Setup("containers", layer="containers"),
+    Setup("retain-graph-option", dropout=0.1, recompute="reentrant", options=(("retain_graph_in_backward", True),)),
+    Setup("seq-buckets", dropout=0.1, recompute="reentrant", seq_lengths=(16, 8, 4)),
+    Setup("seq-buckets-stack", dropout=0.1, recompute="non-reentrant", stack=True, seq_lengths=(8, 16)),
+]
+
+
+# -- one run ------------------------------------------------------------------------------------
+@dataclass
+class Trace:
+    """Everything a run lets a user observe."""
+
+    outputs: list = field(default_factory=list)
+    input_grads: list = field(default_factory=list)
+    param_grads: list = field(default_factory=list)  # per step, after its microbatches
+    weights: list = field(default_factory=list)
+    buffers: list = field(default_factory=list)
+    hook_grads: list = field(default_factory=list)  # what tensor hooks saw, in order
+    hook_calls: dict = field(default_factory=dict)  # hook kind -> number of calls
+    main_grads: list = field(default_factory=list)
+
+
+def _tracker(setup: Setup, device: str):
+    if setup.tracker == "ours":
+        return rng.get_cuda_rng_tracker()
+    return _DUCKS.setdefault(device, DuckTracker(device))
+
+
+_DUCKS: dict[str, DuckTracker] = {}
+
+
+def _seed(setup: Setup, device: str, seed: int) -> None:
+    tracker = _tracker(setup, device)
+    rng.model_parallel_cuda_manual_seed(seed, tracker=tracker)
+    if setup.tracker != "ours":
+        rng.model_parallel_cuda_manual_seed(seed)  # our tracker too (the default generator)
+    torch.manual_seed(seed)
+
+
+def _build(setup: Setup, device: str) -> list[nn.Module]:
+    _seed(setup, device, 1234)
+    tracker = _tracker(setup, device)
+    blocks = []
+    for _ in range(setup.blocks):
+        if setup.layer == "gpt":
+            blocks.append(GPTBlock(
+                HIDDEN, HEADS, setup.dropout, recompute=setup.recompute != "none",
+                use_reentrant=setup.recompute != "non-reentrant", get_rng_tracker=lambda: tracker,
+                device=device, dtype=setup.dtype,
+            ))
+        elif setup.layer == "buffers":
+            blocks.append(BufferedBlock(device, setup.dtype))
+        else:
+            blocks.append(ContainerBlock(device, setup.dtype))
+    for block in blocks:
+        block.train(not setup.eval)
+    return blocks
+
+
+def _samples(setup: Setup, layers: list, device: str, seq: int) -> tuple:
+    g = torch.Generator().manual_seed(seq)
+    return tuple(
+        (torch.randn(seq, BATCH, HIDDEN, generator=g).to(device, setup.dtype).requires_grad_(True),)
+        for _ in layers
+    )
+
+
+def _graph(setup: Setup, layers: list, device: str, eager_replay: bool) -> list:
+    first, *rest = setup.seq_lengths
+    more = [Samples(_samples(setup, layers, device, s)) for s in rest]
+    graphed = make_graphed_callables(
+        tuple(layers), _samples(setup, layers, device, first), more_shapes=more,
+        eager_replay=eager_replay, get_rng_state_tracker=lambda: _tracker(setup, device),
+        **dict(setup.options),
+    )
+    return list(graphed)
+
+
+def _install_hooks(setup: Setup, params: list, trace: Trace) -> list:
+    keep = []
+    for kind in setup.hooks:
+        trace.hook_calls[kind] = 0
+        for p in params:
+            if kind == "tensor":
+                def hook(g, kind=kind):
+                    trace.hook_calls[kind] += 1
+                    trace.hook_grads.append(g.clone())
+                keep.append(p.register_hook(hook))
+            elif kind == "post_accumulate":
+                def hook(param, kind=kind):
+                    trace.hook_calls[kind] += 1
+                    trace.hook_grads.append(param.grad.clone())
+                keep.append(p.register_post_accumulate_grad_hook(hook))
+            else:  # Megatron's DDP: accumulate into main_grad from the grad accumulator
+                p.main_grad = torch.zeros_like(p, dtype=torch.float32)
+                accumulator = p.expand_as(p).grad_fn.next_functions[0][0]
+
+                def hook(*_, p=p, kind=kind):
+                    trace.hook_calls[kind] += 1
+                    p.main_grad.add_(p.grad)
+                    p.grad = None
+                accumulator.register_hook(hook)
+                keep.append(accumulator)
+    return keep
+
+
+def train(setup: Setup, mode: str, device: str, steps: int = 3, micro: int = 2) -> Trace:
+    """Train ``setup`` in ``mode`` ("eager", "eager_replay" or "graphs"); return its trace."""
+    trace = Trace()
+    layers = _build(setup, device)
+    params = [p for layer in layers for p in layer.parameters()]
+    keep = _install_hooks(setup, params, trace) if setup.hooks_first else []
+    if setup.stack:
+        layers = [Stack(layers)]
+    if mode != "eager":
+        layers = _graph(setup, layers, device, eager_replay=mode == "eager_replay")
+    if not setup.hooks_first:
+        keep = _install_hooks(setup, params, trace)
+    opt = torch.optim.SGD(params, lr=0.1)
+    data = torch.Generator().manual_seed(7)
+    _seed(setup, device, 77)  # both runs draw the same dropout streams from here on
+    for step in range(steps):
+        opt.zero_grad(set_to_none=setup.set_to_none)
+        seq = setup.seq_lengths[step % len(setup.seq_lengths)]
+        for _ in range(micro):
+            x = torch.randn(seq, BATCH, HIDDEN, generator=data).to(device, setup.dtype)
+            x.requires_grad_(setup.input_grad)
+            y = x
+            for layer in layers:
+                out = layer(y)
+                y = out[0] if isinstance(out, tuple) else out
+            weight = torch.linspace(-1, 1, y.numel(), device=device).view_as(y)
+            (y.float() * weight).sum().backward()
+            trace.outputs.append(y.detach().clone())
+            if setup.input_grad:
+                trace.input_grads.append(x.grad.clone())
+        trace.param_grads.append([None if p.grad is None else p.grad.clone() for p in params])
+        opt.step()
+    trace.weights = [p.detach().clone() for p in params]
+    trace.buffers = [b.clone() for layer in layers for b in layer.buffers()]
+    trace.main_grads = [p.main_grad.clone() for p in params if hasattr(p, "main_grad")]
+    del keep
+    return trace
+
+
+def assert_same(got: Trace, want: Trace, what: str) -> None:
+    for name in ("outputs", "input_grads", "weights", "buffers", "hook_grads", "main_grads"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert len(a) == len(b), f"{what}: {name}: {len(a)} entries, eager has {len(b)}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert torch.equal(x, y), f"{what}: {name}[{i}] differs (max {(x.float() - y.float()).abs().max().item():.3g})"
+    for step, (a, b) in enumerate(zip(got.param_grads, want.param_grads)):
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert (x is None) == (y is None), f"{what}: step {step} param {i}: grad None in one run only"
+            assert x is None or torch.equal(x, y), f"{what}: step {step} param {i} grad differs"
+    assert got.hook_calls == want.hook_calls, f"{what}: hook calls {got.hook_calls}, eager {want.hook_calls}"
+
+
+def _cases(device: str):
+    for setup in SETUPS:
+        marks = [pytest.mark.gpu] if device == "cuda" else []
+        if device == "cpu" and (setup.gpu_only or setup.dtype == torch.bfloat16):
+            continue
+        yield pytest.param(setup, id=setup.id, marks=marks)
+
+
+@pytest.mark.parametrize("setup", list(_cases("cpu")))
+def test_eager_replay_equals_eager_cpu(setup):
+    assert_same(train(setup, "eager_replay", "cpu"), train(setup, "eager", "cpu"), "eager replay")
+
+
+@pytest.mark.parametrize("setup", list(_cases("cuda")))
+def test_graphs_and_eager_replay_equal_eager_gpu(setup):
+    want = train(setup, "eager", "cuda")
+    assert_same(train(setup, "graphs", "cuda"), want, "graphs")
+    assert_same(train(setup, "eager_replay", "cuda"), want, "eager replay")
+
+
+def test_every_setup_differs_from_plain():
+    """Each row changes something (a typo'd field would silently test the plain setup)."""
+    plain = Setup("plain")
+    for setup in SETUPS[1:]:
+        assert dataclasses.replace(setup, id="plain") != plain, setup.id
+
