@@ -297,7 +297,8 @@ class GraphedCallable:
 
     def __init__(self, runners: list[GraphRunner], spec: GraphSpec, pool: Any, unseen_shape: str = "error"):
         self._runners = {r.shape: r for r in runners}
-        self._single = runners[0] if len(runners) == 1 else None
+        # One shape and no eager fallback: the call's checks alone pick the graph.
+        self._single = runners[0] if len(runners) == 1 and unseen_shape == "error" else None
         self._layout = spec.layout
         self._module = spec.func if isinstance(spec.func, torch.nn.Module) else None
         self._training = spec.training

@@ -44,6 +44,13 @@ def run_layers(layers, x, **kwargs):
     return x
 
 
+def weighted_loss(y: torch.Tensor) -> torch.Tensor:
+    """A loss whose gradient is a contiguous tensor. ``y.sum()`` hands autograd an expanded
+    (stride-0) gradient, which a graph copies into its contiguous static buffer; matrix
+    products may then round differently from eager's, so bitwise comparisons use this."""
+    return (y.float() * torch.linspace(-1, 1, y.numel(), device=y.device).view_as(y)).sum()
+
+
 def assert_all_equal(a, b, what):
     assert len(a) == len(b), what
     for i, (x, y) in enumerate(zip(a, b)):

@@ -23,7 +23,7 @@ import rng
 from checkpointing import checkpoint
 from examples.gpt import GPTBlock
 from te_graph import Samples, make_graphed_callables
-from tests.graph_helpers import DuckTracker, Stack
+from tests.graph_helpers import DuckTracker, Stack, weighted_loss
 
 HIDDEN, HEADS, SEQ, BATCH = 32, 4, 16, 2
 
@@ -128,7 +128,7 @@ class Trace:
     param_grads: list = field(default_factory=list)  # per step, after its microbatches
     weights: list = field(default_factory=list)
     buffers: list = field(default_factory=list)
-    hook_grads: list = field(default_factory=list)  # what tensor hooks saw, in order
+    hook_grads: dict = field(default_factory=dict)  # per parameter, what its hooks saw, in order
     hook_calls: dict = field(default_factory=dict)  # hook kind -> number of calls
     main_grads: list = field(default_factory=list)
 
@@ -193,16 +193,17 @@ def _install_hooks(setup: Setup, params: list, trace: Trace) -> list:
     keep = []
     for kind in setup.hooks:
         trace.hook_calls[kind] = 0
-        for p in params:
+        for i, p in enumerate(params):
+            seen = trace.hook_grads.setdefault((kind, i), [])
             if kind == "tensor":
-                def hook(g, kind=kind):
+                def hook(g, kind=kind, seen=seen):
                     trace.hook_calls[kind] += 1
-                    trace.hook_grads.append(g.clone())
+                    seen.append(g.clone())
                 keep.append(p.register_hook(hook))
             elif kind == "post_accumulate":
-                def hook(param, kind=kind):
+                def hook(param, kind=kind, seen=seen):
                     trace.hook_calls[kind] += 1
-                    trace.hook_grads.append(param.grad.clone())
+                    seen.append(param.grad.clone())
                 keep.append(p.register_post_accumulate_grad_hook(hook))
             else:  # Megatron's DDP: accumulate into main_grad from the grad accumulator
                 p.main_grad = torch.zeros_like(p, dtype=torch.float32)
@@ -242,8 +243,7 @@ def train(setup: Setup, mode: str, device: str, steps: int = 3, micro: int = 2) 
             for layer in layers:
                 out = layer(y)
                 y = out[0] if isinstance(out, tuple) else out
-            weight = torch.linspace(-1, 1, y.numel(), device=device).view_as(y)
-            (y.float() * weight).sum().backward()
+            weighted_loss(y).backward()
             trace.outputs.append(y.detach().clone())
             if setup.input_grad:
                 trace.input_grads.append(x.grad.clone())
@@ -257,7 +257,12 @@ def train(setup: Setup, mode: str, device: str, steps: int = 3, micro: int = 2) 
 
 
 def assert_same(got: Trace, want: Trace, what: str) -> None:
-    for name in ("outputs", "input_grads", "weights", "buffers", "hook_grads", "main_grads"):
+    assert got.hook_grads.keys() == want.hook_grads.keys()
+    for key in want.hook_grads:
+        assert len(got.hook_grads[key]) == len(want.hook_grads[key]), f"{what}: hooks {key} ran another number of times"
+        for i, (x, y) in enumerate(zip(got.hook_grads[key], want.hook_grads[key])):
+            assert torch.equal(x, y), f"{what}: hook {key} call {i} saw another gradient"
+    for name in ("outputs", "input_grads", "weights", "buffers", "main_grads"):
         a, b = getattr(got, name), getattr(want, name)
         assert len(a) == len(b), f"{what}: {name}: {len(a)} entries, eager has {len(b)}"
         for i, (x, y) in enumerate(zip(a, b)):

@@ -166,17 +166,21 @@ def test_masks_exact_with_retain_graph_second_backward():
 
 
 @pytest.mark.gpu
-def test_recompute_consumes_nothing_from_live_streams():
-    """Graph replays of a recomputing layer move only the live streams the layer draws
-    from outside its regions; here it draws from none, so nothing moves at all."""
+@pytest.mark.parametrize("variants", [["both", "nested"], ["outside", "two_regions"]], ids=["regions-only", "draws-outside-too"])
+def test_live_streams_move_exactly_as_eager(variants):
+    """Graphed steps advance every live stream (default and tracker) exactly as an eager
+    step does: forwards draw from them as eager code does, and the recompute draws from
+    private generators, consuming nothing."""
     get_tracker = _tracker_factory("ours")
-    layers = _build("graph", "cuda", get_tracker, ["both", "nested"])
-    before = (rng.get_rng_state("cuda"), rng.get_cuda_rng_tracker().get_states())
-    _step(layers, "cuda")
-    after = (rng.get_rng_state("cuda"), rng.get_cuda_rng_tracker().get_states())
-    assert before[0].get_offset() == after[0].get_offset()
-    for name in before[1]:
-        assert before[1][name].get_offset() == after[1][name].get_offset(), name
+    offsets = []
+    for mode in ("eager", "graph"):
+        layers = _build(mode, "cuda", get_tracker, variants)
+        _seed(5, get_tracker)
+        _step(layers, "cuda")
+        states = rng.get_cuda_rng_tracker().get_states()
+        offsets.append((rng.get_rng_state("cuda").get_offset(), {k: v.get_offset() for k, v in states.items()}))
+    assert offsets[0] == offsets[1]
+    assert offsets[0][0] > 0 and offsets[0][1][rng.MODEL_PARALLEL_RNG] > 0, "the step drew from both"
 
 
 @pytest.mark.gpu
