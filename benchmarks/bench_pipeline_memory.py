@@ -25,7 +25,11 @@ What it does, on one GPU, as pipeline rank ``--rank`` of ``--pipeline-size`` wou
      without the parameter grad buffers;
    * the graph pool's reserved and allocated bytes (``torch.cuda.memory_snapshot`` segments
      whose ``segment_pool_id`` is the pool handle passed in), when the snapshot has them;
-   * peak memory of capture, then of one training iteration run through the order.
+   * peak allocated and peak reserved memory of build + capture;
+   * one training iteration run through the order, after ``gc.collect(); empty_cache();
+     reset_peak_memory_stats()``: its peak allocated memory and its footprint, the peak
+     *reserved* memory (``max_memory_allocated`` does not count graph-pool memory that
+     capture freed but replay still writes, so it flatters graphs).
 3. The iteration feeds chunk ``c+1`` a copy of chunk ``c``'s output (the p2p receive) and
    chunk ``c`` the input grad of chunk ``c+1`` (the p2p send of the backward); the last chunk
    backprops ``out.float().square().mean()``. Parameter grads of the graphed variants are
@@ -47,6 +51,7 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 import torch  # noqa: E402
+from _measure import MIB, environment, free_memory  # noqa: E402
 from _report import record_failure  # noqa: E402
 
 import rng  # noqa: E402
@@ -55,7 +60,6 @@ from examples.gpt import GPTBlock  # noqa: E402
 from te_graph.schedule import plan_schedule  # noqa: E402
 
 SEED = 1234
-MIB = 1024.0 * 1024.0
 
 
 # --------------------------------------------------------------------------- the order
@@ -207,9 +211,8 @@ def prime_capture_stream():
 
 
 def _free():
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
+    # Keep the cuBLAS workspaces: prime_capture_stream made them so that no row pays them.
+    free_memory(clear_cublas_workspaces=False)
 
 
 def run_variant(name, reuse, args, order, inputs):
@@ -250,16 +253,19 @@ def run_variant(name, reuse, args, order, inputs):
                 pool_reserved_mib=None if reserved is None else reserved / MIB,
                 pool_allocated_mib=None if allocated is None else allocated / MIB,
                 capture_peak_mib=torch.cuda.max_memory_allocated() / MIB,
+                capture_peak_reserved_mib=torch.cuda.max_memory_reserved() / MIB,
             )
 
             def layer_fn(chunk, mb, layer):
                 return graphed[chunk * M * L + mb * L + layer]
 
+        _free()
+        torch.cuda.reset_peak_memory_stats()
         losses = run_iteration(layer_fn, order, inputs, C, M, L)
         torch.cuda.synchronize()
         result["losses"] = losses
         result["peak_mib"] = torch.cuda.max_memory_allocated() / MIB
-        result["peak_reserved_mib"] = torch.cuda.max_memory_reserved() / MIB
+        result["footprint_mib"] = torch.cuda.max_memory_reserved() / MIB
         grads = [p.grad for p in params]
         if any(g is None for g in grads):
             result["error"] = "some parameter has no grad after the iteration"
@@ -331,7 +337,8 @@ def main(argv=None):
     results = {name: run_variant(name, reuse, args, order, inputs) for name, reuse in variants}
 
     header = (f"{'variant':<16} {'static MiB':>10} {'w/o pgrad':>10} {'pool res':>10} "
-              f"{'pool alloc':>10} {'capt peak':>10} {'peak MiB':>10} {'reserved':>10}  vs eager grads")
+              f"{'pool alloc':>10} {'capt peak':>10} {'capt res':>10} {'iter peak':>10} "
+              f"{'footprint':>10}  vs eager grads")
     print()
     print(header)
     print("-" * len(header))
@@ -342,12 +349,14 @@ def main(argv=None):
         check = "reference" if name == "eager" else compare(results["eager"], r)
         print(f"{name:<16} {_fmt(r.get('static_mib'))} {_fmt(r.get('static_without_param_grads_mib'))} "
               f"{_fmt(r.get('pool_reserved_mib'))} {_fmt(r.get('pool_allocated_mib'))} "
-              f"{_fmt(r.get('capture_peak_mib'))} {_fmt(r.get('peak_mib'))} "
-              f"{_fmt(r.get('peak_reserved_mib'))}  {check}")
+              f"{_fmt(r.get('capture_peak_mib'))} {_fmt(r.get('capture_peak_reserved_mib'))} "
+              f"{_fmt(r.get('peak_mib'))} {_fmt(r.get('footprint_mib'))}  {check}")
         if "error" in r:
             print(f"{'':<16} ERROR: {r['error']}")
     print("static = memory_allocated after capture (sample args dropped) - before the sample "
-          "args; w/o pgrad = minus parameter grad buffers; pool = graph pool segments.")
+          "args; w/o pgrad = minus parameter grad buffers; pool = graph pool segments; capt "
+          "peak/res = peak allocated/reserved of build + capture; iter peak = peak allocated "
+          "of the iteration; footprint = its peak reserved (after empty_cache).")
     plain, reused = results["te_graph"], results["te_graph+reuse"]
     if plain.get("static_mib") is not None and reused.get("static_mib") is not None:
         saved = plain["static_mib"] - reused["static_mib"]
@@ -359,8 +368,7 @@ def main(argv=None):
                   "option looks accepted but not implemented.")
     if args.out:
         payload = {
-            "args": vars(args), "order": order, "torch": torch.__version__,
-            "device": torch.cuda.get_device_name(),
+            **environment(), "args": vars(args), "order": order,
             "variants": {n: {k: v for k, v in r.items() if k != "grads"} for n, r in results.items()},
         }
         with open(args.out, "w") as f:

@@ -1,9 +1,9 @@
-"""Speed and memory of one train step of a GPT-block stack: te_graph against its peers.
+"""Speed and memory footprint of one train step of a GPT-block stack: te_graph against its peers.
 
 Run from the repository root on a CUDA machine::
 
-    python benchmarks/bench_step.py                       # tiny, small, medium
-    python benchmarks/bench_step.py --configs tiny --iters 100 --out /tmp/bench.json
+    python benchmarks/bench_step.py --out /tmp/bench_step.json --png /tmp/bench_step.png
+    python benchmarks/bench_step.py --configs tiny --iters 200 --variants "eager,te_graph,kernel floor"
 
 For each config (DESIGN.md "Performance targets") it builds a stack of ``GPTBlock``s (bf16
 parameters, ``[s, b, h]`` activations, causal attention, dropout 0.1 on hidden states and
@@ -11,49 +11,78 @@ attention probabilities) and measures, one variant after the other in the same p
 
 * ``eager``               the blocks run eagerly;
 * ``eager+recompute``     blocks built with ``recompute=True`` (full-layer checkpoint), eager;
-* ``torch``               ``torch.cuda.make_graphed_callables(tuple(blocks), sample_args)``;
+* ``eager 3 buckets``     eager, the steps cycling through sequence lengths s, s/2, s/4;
 * ``te_graph``            ``te_graph.make_graphed_callables(tuple(blocks), sample_args)``;
 * ``te_graph+recompute``  recompute blocks graphed by te_graph (recompute inside the graphs);
-* ``kernel floor``        the sum of GPU time of every device event of one eager step,
-                          from ``torch.profiler`` (averaged over a few steps).
+* ``te_graph 3 buckets``  the stack graphed for s, s/2 and s/4 in one call
+                          (``more_shapes=``, issue 14), the steps cycling through them;
+* ``torch graphed``       ``torch.cuda.make_graphed_callables(tuple(blocks), sample_args)``;
+* ``kernel floor``        the GPU time of one eager step (``torch.profiler``: the sum of
+                          every device event's time, averaged over a few steps);
+* ``forward kernels``     the GPU time of one forward of the stack as in training (grad
+                          on, no backward): what full recompute adds to a step.
 
-One train step = zero the parameters' grads in place (``set_to_none=False``, one
-``torch._foreach_zero_`` for every variant; no optimizer), a forward of the whole stack on a
-fresh leaf input (rotating through a few pre-made tensors, so graphed variants copy it into
-their first layer's static input as in real training), ``out.float().square().mean()`` and
-its backward.
+The two profiled rows of every config run after all timed rows of all configs.
 
-Time: after ``--warmup`` steps, ``--iters`` steps are run back to back with a CUDA event
-before and after each; the table shows the median per-step time (steady-state throughput:
-a CPU-bound step measures the launch time, a GPU-bound one the GPU time). ``--sync`` instead
-synchronises around each step and uses ``time.perf_counter`` (latency of an isolated step).
-Memory: ``torch.cuda.reset_peak_memory_stats()`` right before a variant builds its model;
-``max_memory_allocated()`` over the whole variant (build, sample args, warmup, capture,
-timed steps). Each variant's model is dropped, ``gc.collect()`` and
-``torch.cuda.empty_cache()`` run before the next, so variants do not pollute each other.
-The last column, peak *reserved* memory, also shows graph pools' cached blocks, which
-``max_memory_allocated`` does not count once capture has freed them.
+One train step = zero the parameters' grads in place (one ``torch._foreach_zero_``, no
+optimizer), a forward of the stack on a fresh leaf input (rotating through a few pre-made
+tensors, so graphed variants copy it into their first static input as in training),
+``out.float().square().mean()`` and its backward.
 
-The printed PASS/FAIL lines check DESIGN.md's targets; they inform, they assert nothing.
-A variant that raises prints its error in its row and the run goes on.
+Each row (``_measure.py`` says exactly how): median ms over ``--iters`` steps after
+``--warmup`` untimed ones; the steady footprint, ``torch.cuda.max_memory_reserved()`` over
+the timed steps after ``gc.collect(); empty_cache(); reset_peak_memory_stats()`` (reserved,
+not allocated: ``max_memory_allocated()`` does not count graph-pool memory that capture
+freed but every replay still writes, so it flatters graphs; allocated is shown beside it);
+the peak reserved during build + capture (peak stats reset right before building); the
+seconds of the ``make_graphed_callables`` call. Variants run from a clean allocator and
+their graphs are freed (``te_graph.reset``) before the next.
+
+The PASS/FAIL lines check issue 12's targets (``_targets.py``); they inform and assert
+nothing. A variant that raises prints its error in its row and the run goes on; every
+finished row is printed at once and written to ``--out`` (a killed run keeps them). The
+default run (3 configs, all rows, 100 timed steps each) is budgeted at a few minutes on
+one H100.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
-import json
 import os
-import statistics
 import sys
-import time
+from typing import Callable, Sequence
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
+for _path in (_ROOT, os.path.join(_ROOT, "benchmarks")):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
 
 import torch  # noqa: E402
-from _report import record_failure  # noqa: E402
+from _measure import (  # noqa: E402
+    Built,
+    Variant,
+    add_measure_args,
+    csv_choice,
+    environment,
+    make_forward,
+    make_train_step,
+    run_rows,
+    settings_from,
+    synchronised,
+)
+from _report import JsonReport, add_output_args, finish  # noqa: E402
+from _targets import (  # noqa: E402
+    EAGER,
+    EAGER_BUCKETS,
+    EAGER_RECOMPUTE,
+    FORWARD_KERNELS,
+    KERNEL_FLOOR,
+    STEP_TARGETS,
+    TE_GRAPH,
+    TE_GRAPH_BUCKETS,
+    TE_GRAPH_RECOMPUTE,
+    TORCH_GRAPHED,
+)
 from torch import nn  # noqa: E402
 
 import rng  # noqa: E402
@@ -66,19 +95,29 @@ CONFIGS = {
     "small": (12, 1024, 512, 2),
     "medium": (4, 2048, 2048, 1),
 }
-VARIANTS = ("eager", "eager+recompute", "torch", "te_graph", "te_graph+recompute", "kernel floor")
+# The table's order. Each row starts from a clean allocator (cuBLAS workspaces included),
+# so the order of the timed rows does not change their numbers; profiled rows run last.
+VARIANTS = (EAGER, EAGER_RECOMPUTE, EAGER_BUCKETS, TE_GRAPH, TE_GRAPH_RECOMPUTE,
+            TE_GRAPH_BUCKETS, TORCH_GRAPHED, KERNEL_FLOOR, FORWARD_KERNELS)
 DROPOUT = 0.1
 SEED = 1234
-NUM_INPUTS = 4  # pre-made inputs the train steps rotate through
-PROFILE_STEPS = 5
-MIB = 1024.0 * 1024.0
+DEVICE = "cuda"  # a module constant so a CPU dry run of the plumbing can change it
+NUM_INPUTS = 4  # pre-made inputs the one-shape steps rotate through
+INPUTS_PER_BUCKET = 2  # the bucket steps rotate through 2 inputs per length
+DEFAULT_ITERS = 100
+DEFAULT_WARMUP = 10
+
+
+def bucket_seqs(seq: int) -> tuple[int, int, int]:
+    """The three sequence lengths of the bucket rows: s, s/2, s/4."""
+    return seq, max(1, seq // 2), max(1, seq // 4)
 
 
 # --------------------------------------------------------------------------- model
 
 
 class _NoFork:
-    """A tracker whose ``fork()`` does nothing, for the ``torch`` peer.
+    """A tracker whose ``fork()`` does nothing, for the ``torch graphed`` peer.
 
     ``torch.cuda.make_graphed_callables`` registers only the default CUDA generator with its
     graphs, so attention dropout drawn under our tracker's ``'model-parallel-rng'`` fork
@@ -111,313 +150,143 @@ class _FirstOutput(nn.Module):
         return self.block(x)[0]
 
 
-def build_blocks(cfg, recompute=False, get_rng_tracker=rng.get_cuda_rng_tracker):
+def build_blocks(cfg: tuple, recompute: bool = False,
+                 get_rng_tracker: Callable = rng.get_cuda_rng_tracker) -> list[GPTBlock]:
     layers, hidden, _, _ = cfg
     rng.model_parallel_cuda_manual_seed(SEED)
     torch.manual_seed(SEED)
     return [
         GPTBlock(hidden, hidden // 64, DROPOUT, recompute=recompute,
-                 get_rng_tracker=get_rng_tracker, device="cuda", dtype=torch.bfloat16)
+                 get_rng_tracker=get_rng_tracker, device=DEVICE, dtype=torch.bfloat16)
         for _ in range(layers)
     ]
 
 
-def sample_args_for(cfg):
-    layers, hidden, seq, batch = cfg
+def sample_args_for(cfg: tuple, seq: int | None = None) -> tuple:
+    """One ``(x,)`` per layer, for sequence length ``seq`` (the config's by default)."""
+    layers, hidden, cfg_seq, batch = cfg
     return tuple(
-        (torch.randn(seq, batch, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True),)
+        (torch.randn(seq or cfg_seq, batch, hidden, device=DEVICE, dtype=torch.bfloat16,
+                     requires_grad=True),)
         for _ in range(layers)
     )
 
 
-def make_train_step(layers, params):
-    """One train step over ``layers`` (callables returning a tensor or a tuple)."""
-    params = tuple(params)
-
-    def step(x):
-        grads = [p.grad for p in params if p.grad is not None]
-        if grads:
-            torch._foreach_zero_(grads)  # zero_grad(set_to_none=False), one launch group
-        h = x.detach().requires_grad_(True)  # a new leaf each step, like a real input
-        for layer in layers:
-            out = layer(h)
-            h = out[0] if isinstance(out, tuple) else out
-        h.float().square().mean().backward()
-
-    return step
+def _params(blocks: Sequence[nn.Module]) -> list[torch.Tensor]:
+    return [p for b in blocks for p in b.parameters()]
 
 
-def build_variant(name, cfg):
-    """(step function, keepalive) for a variant; all capture happens in here."""
-    if name in ("eager", "eager+recompute", "kernel floor"):
-        blocks = build_blocks(cfg, recompute=name == "eager+recompute")
-        params = [p for b in blocks for p in b.parameters()]
-        return make_train_step(blocks, params), blocks
-    if name == "torch":
-        blocks = build_blocks(cfg, get_rng_tracker=_no_fork_tracker)
-        wrapped = tuple(_FirstOutput(b) for b in blocks)
-        graphed = torch.cuda.make_graphed_callables(wrapped, sample_args_for(cfg))
-        params = [p for b in blocks for p in b.parameters()]
-        return make_train_step(graphed, params), (blocks, graphed)
-    if name in ("te_graph", "te_graph+recompute"):
-        blocks = build_blocks(cfg, recompute=name == "te_graph+recompute")
-        graphed = te_graph.make_graphed_callables(tuple(blocks), sample_args_for(cfg))
-        params = [p for b in blocks for p in b.parameters()]
-        return make_train_step(graphed, params), (blocks, graphed)
-    raise ValueError(f"unknown variant {name!r}")
+def _eager(cfg: tuple, recompute: bool = False) -> Built:
+    blocks = build_blocks(cfg, recompute=recompute)
+    return Built(make_train_step(blocks, _params(blocks)), keep=blocks)
 
 
-# --------------------------------------------------------------------------- measuring
+def _forward_only(cfg: tuple) -> Built:
+    blocks = build_blocks(cfg)
+    return Built(make_forward(blocks), keep=blocks)
 
 
-def make_inputs(cfg):
+def _te_graph(cfg: tuple, recompute: bool = False, buckets: bool = False) -> Built:
+    blocks = build_blocks(cfg, recompute=recompute)
+    seqs = bucket_seqs(cfg[2]) if buckets else (cfg[2],)
+    samples = [sample_args_for(cfg, s) for s in seqs]
+    graphed, seconds = synchronised(lambda: te_graph.make_graphed_callables(
+        tuple(blocks), samples[0], **({"more_shapes": samples[1:]} if buckets else {})))
+    return Built(make_train_step(graphed, _params(blocks)), keep=(blocks, graphed),
+                 capture_s=seconds, release=lambda: te_graph.reset(graphed))
+
+
+def _torch_graphed(cfg: tuple) -> Built:
+    blocks = build_blocks(cfg, get_rng_tracker=_no_fork_tracker)
+    wrapped = tuple(_FirstOutput(b) for b in blocks)
+    samples = sample_args_for(cfg)
+    graphed, seconds = synchronised(lambda: torch.cuda.make_graphed_callables(wrapped, samples))
+    return Built(make_train_step(graphed, _params(blocks)), keep=(blocks, graphed), capture_s=seconds)
+
+
+def variants_for(cfg: tuple) -> dict[str, Variant]:
+    labels = [f"s{s}" for _ in range(INPUTS_PER_BUCKET) for s in bucket_seqs(cfg[2])]
+    return {
+        EAGER: Variant(lambda: _eager(cfg)),
+        EAGER_RECOMPUTE: Variant(lambda: _eager(cfg, recompute=True)),
+        EAGER_BUCKETS: Variant(lambda: _eager(cfg), inputs="buckets", labels=labels),
+        KERNEL_FLOOR: Variant(lambda: _eager(cfg), profiled=True),
+        FORWARD_KERNELS: Variant(lambda: _forward_only(cfg), profiled=True),
+        TE_GRAPH: Variant(lambda: _te_graph(cfg)),
+        TE_GRAPH_RECOMPUTE: Variant(lambda: _te_graph(cfg, recompute=True)),
+        TE_GRAPH_BUCKETS: Variant(lambda: _te_graph(cfg, buckets=True), inputs="buckets", labels=labels),
+        TORCH_GRAPHED: Variant(lambda: _torch_graphed(cfg)),
+    }
+
+
+def make_inputs(cfg: tuple, kind: str) -> list[torch.Tensor]:
+    """The step inputs (the same numbers every time): ``single``, all at the config's
+    length; ``buckets``, cycling through s, s/2, s/4."""
     _, hidden, seq, batch = cfg
-    gen = torch.Generator(device="cuda").manual_seed(SEED + 1)
-    return [
-        torch.randn(seq, batch, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
-        for _ in range(NUM_INPUTS)
-    ]
+    gen = torch.Generator(device=DEVICE).manual_seed(SEED + 1)
+    if kind == "single":
+        seqs = [seq] * NUM_INPUTS
+    else:
+        seqs = [s for _ in range(INPUTS_PER_BUCKET) for s in bucket_seqs(seq)]
+    return [torch.randn(s, batch, hidden, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+            for s in seqs]
 
 
-def time_steps(step, inputs, iters, sync):
-    times = []
-    if sync:
-        for i in range(iters):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            step(inputs[i % len(inputs)])
-            torch.cuda.synchronize()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return times
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    torch.cuda.synchronize()
-    for i in range(iters):
-        starts[i].record()
-        step(inputs[i % len(inputs)])
-        ends[i].record()
-    torch.cuda.synchronize()
-    return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+# --------------------------------------------------------------------------- command line
 
 
-def _event_device_us(event) -> float:
-    for attr in ("device_time_total", "cuda_time_total"):
-        value = getattr(event, attr, None)
-        if value is not None:
-            return float(value)
-    return float(event.time_range.elapsed_us())
-
-
-def kernel_floor_ms(step, inputs, steps=PROFILE_STEPS):
-    """Sum of device time of all GPU events (kernels, memcpy, memset) per eager step."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for i in range(steps):
-            step(inputs[i % len(inputs)])
-        torch.cuda.synchronize()
-    total_us = 0.0
-    count = 0
-    for event in prof.events():
-        if getattr(event, "device_type", None) == DeviceType.CUDA:
-            total_us += _event_device_us(event)
-            count += 1
-    if count == 0:
-        raise RuntimeError("the profiler recorded no CUDA device events (is CUPTI available?)")
-    return total_us / 1e3 / steps
-
-
-def _free():
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-
-
-def run_variant(name, cfg, inputs, args):
-    result = {"variant": name}
-    _free()
-    torch.cuda.reset_peak_memory_stats()
-    try:
-        step, keep = build_variant(name, cfg)
-        for i in range(args.warmup):
-            step(inputs[i % len(inputs)])
-        torch.cuda.synchronize()
-        if name == "kernel floor":
-            result["ms"] = kernel_floor_ms(step, inputs)
-        else:
-            t0 = time.perf_counter()
-            times = time_steps(step, inputs, args.iters, args.sync)
-            result["wall_mean_ms"] = (time.perf_counter() - t0) * 1e3 / args.iters
-            result["times_ms"] = times
-            result["ms"] = statistics.median(times)
-            result["peak_mib"] = torch.cuda.max_memory_allocated() / MIB
-            result["peak_reserved_mib"] = torch.cuda.max_memory_reserved() / MIB
-        del step, keep
-    except Exception as error:  # noqa: BLE001 - report and go on
-        record_failure(result, error, args.traceback)
-    _free()
-    return result
-
-
-# --------------------------------------------------------------------------- reporting
-
-
-def _fmt(value, spec, missing="-"):
-    return missing if value is None else format(value, spec)
-
-
-def print_table(name, cfg, results):
-    layers, hidden, seq, batch = cfg
-    print(f"\n== {name}: {layers} layers, h {hidden}, s {seq}, b {batch}, heads {hidden // 64}, "
-          f"bf16, dropout {DROPOUT} ==")
-    header = (f"{'variant':<20} {'median ms/step':>15} {'x floor':>8} {'peak MiB':>10} "
-              f"{'x eager peak':>13} {'reserved MiB':>13}")
-    print(header)
-    print("-" * len(header))
-    floor = results.get("kernel floor", {}).get("ms")
-    eager_peak = results.get("eager", {}).get("peak_mib")
-    for variant, r in results.items():
-        if "error" in r:
-            message = r["error"].replace("\n", " ")
-            print(f"{variant:<20} ERROR: {message[:160]}")
-            continue
-        ms = r.get("ms")
-        peak = r.get("peak_mib")
-        print(
-            f"{variant:<20} {_fmt(ms, '15.3f')} "
-            f"{_fmt(ms / floor if ms and floor else None, '8.2f', '       -')} "
-            f"{_fmt(peak, '10.1f', '         -')} "
-            f"{_fmt(peak / eager_peak if peak and eager_peak else None, '13.2f', '            -')} "
-            f"{_fmt(r.get('peak_reserved_mib'), '13.1f', '            -')}"
-        )
-
-
-def check_targets(all_results):
-    """DESIGN.md's targets as (label, detail, PASS/FAIL/n/a) lines."""
-    lines = []
-
-    def get(config, variant, key="ms"):
-        return all_results.get(config, {}).get(variant, {}).get(key)
-
-    def line(config, label, ok, detail):
-        verdict = "n/a" if ok is None else ("PASS" if ok else "FAIL")
-        lines.append((config, label, detail, verdict))
-
-    te, floor = get("tiny", "te_graph"), get("tiny", "kernel floor")
-    if "tiny" in all_results:
-        line("tiny", "te_graph <= 1.25x floor",
-             None if not (te and floor) else te <= 1.25 * floor,
-             f"{te / floor:.2f}x" if te and floor else "missing numbers")
-        peer = get("tiny", "torch")
-        line("tiny", "te_graph >= 2x faster than torch",
-             None if not (te and peer) else peer >= 2 * te,
-             f"{peer / te:.2f}x faster" if te and peer else "missing numbers")
-    if "small" in all_results:
-        te, floor = get("small", "te_graph"), get("small", "kernel floor")
-        line("small", "te_graph <= 1.1x floor",
-             None if not (te and floor) else te <= 1.1 * floor,
-             f"{te / floor:.2f}x" if te and floor else "missing numbers")
-    if "medium" in all_results:
-        te, eager = get("medium", "te_graph"), get("medium", "eager")
-        line("medium", "te_graph not slower than eager",
-             None if not (te and eager) else te <= eager,
-             f"{te:.3f} vs {eager:.3f} ms ({te / eager:.3f}x)" if te and eager else "missing numbers")
-    for config in all_results:
-        te, eager = get(config, "te_graph", "peak_mib"), get(config, "eager", "peak_mib")
-        line(config, "te_graph peak <= 1.15x eager peak",
-             None if not (te and eager) else te <= 1.15 * eager,
-             f"{te:.0f} vs {eager:.0f} MiB ({te / eager:.2f}x)" if te and eager else "missing numbers")
-        te_rc = get(config, "te_graph+recompute", "peak_mib")
-        eager_rc = get(config, "eager+recompute", "peak_mib")
-        if te_rc and eager_rc:
-            saving = f"saving vs no recompute: eager {eager - eager_rc:.0f} MiB" if eager else ""
-            saving += f", te_graph {te - te_rc:.0f} MiB" if te else ""
-            detail = f"{te_rc:.0f} vs {eager_rc:.0f} MiB ({te_rc / eager_rc:.2f}x); {saving}"
-        else:
-            detail = "missing numbers"
-        line(config, "recompute saving kept (te_graph+recompute <= 1.15x eager+recompute peak)",
-             None if not (te_rc and eager_rc) else te_rc <= 1.15 * eager_rc, detail)
-    return lines
-
-
-def _csv(value, known, what):
-    items = [v.strip() for v in value.split(",") if v.strip()]
-    unknown = [v for v in items if v not in known]
-    if unknown or not items:
-        raise argparse.ArgumentTypeError(
-            f"unknown {what} {unknown or value!r}; choose from {', '.join(known)}")
-    return items
-
-
-def parse_args(argv=None):
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        description="Median ms per train step and peak memory of a GPTBlock stack: eager, "
-                    "torch.cuda.make_graphed_callables, te_graph (with and without recompute) "
-                    "and the kernel floor.")
+        description="Median ms per train step and memory footprint of a GPTBlock stack: eager, "
+                    "torch.cuda.make_graphed_callables, te_graph (with and without recompute, "
+                    "one and three sequence-length buckets) and the kernel floor.")
     parser.add_argument("--configs", default="tiny,small,medium",
-                        type=lambda v: _csv(v, tuple(CONFIGS), "config"),
+                        type=csv_choice(tuple(CONFIGS), "config"),
                         help="comma-separated configs (default: tiny,small,medium)")
     parser.add_argument("--variants", default=",".join(VARIANTS),
-                        type=lambda v: _csv(v, VARIANTS, "variant"),
-                        help="comma-separated variants (default: all)")
-    parser.add_argument("--iters", type=int, default=50, help="timed steps per variant (default 50)")
-    parser.add_argument("--warmup", type=int, default=10,
-                        help="untimed steps per variant after build/capture (default 10)")
-    parser.add_argument("--sync", action="store_true",
-                        help="synchronise around every step and time with perf_counter "
-                             "(default: back-to-back steps timed with CUDA events)")
-    parser.add_argument("--out", default=None, help="optional JSON path for the raw numbers")
-    parser.add_argument("--traceback", action="store_true", help="print full tracebacks of failing variants")
-    args = parser.parse_args(argv)
-    if args.iters < 1 or args.warmup < 0:
-        parser.error("--iters must be >= 1 and --warmup >= 0")
-    return args
+                        type=csv_choice(VARIANTS, "variant"),
+                        help="comma-separated variants, in the order to run (default: all)")
+    add_measure_args(parser, DEFAULT_ITERS, DEFAULT_WARMUP)
+    add_output_args(parser)
+    return parser.parse_args(argv)
 
 
-def main(argv=None):
+def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
+    settings = settings_from(args)
     if not torch.cuda.is_available():
         sys.exit("bench_step.py: CUDA is not available; this benchmark needs a CUDA GPU.")
-    device = torch.cuda.get_device_name()
-    print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {device}; iters {args.iters}, "
-          f"warmup {args.warmup}, timing {'sync+perf_counter' if args.sync else 'CUDA events, back to back'}")
-    all_results = {}
+    env = environment()
+    print(f"torch {env['torch']}, CUDA {env['cuda']}, {env['device']}; iters {args.iters}, warmup "
+          f"{args.warmup}, timing {'sync+perf_counter' if args.sync else 'CUDA events, back to back'}",
+          flush=True)
+    report = JsonReport(args.out, {**env, "benchmark": "bench_step", "iters": args.iters,
+                                   "warmup": args.warmup, "timing": "sync" if args.sync else "events",
+                                   "dropout": DROPOUT})
     for config in args.configs:
-        cfg = CONFIGS[config]
-        inputs = make_inputs(cfg)
-        results = {}
-        for variant in args.variants:
-            results[variant] = run_variant(variant, cfg, inputs, args)
-        del inputs
-        _free()
-        all_results[config] = results
-        print_table(config, cfg, results)
-        sys.stdout.flush()
-    targets = check_targets(all_results)
-    print("\nDESIGN.md targets (informational):")
-    for config, label, detail, verdict in targets:
-        print(f"  {verdict:<4} {config:<7} {label}: {detail}")
-    if args.out:
-        payload = {
-            "torch": torch.__version__,
-            "cuda": torch.version.cuda,
-            "device": device,
-            "iters": args.iters,
-            "warmup": args.warmup,
-            "timing": "sync" if args.sync else "events",
-            "configs": {
-                config: {"layers": CONFIGS[config][0], "hidden": CONFIGS[config][1],
-                         "seq": CONFIGS[config][2], "batch": CONFIGS[config][3],
-                         "variants": all_results[config]}
-                for config in all_results
-            },
-            "targets": [dict(zip(("config", "target", "detail", "verdict"), t)) for t in targets],
-        }
-        with open(args.out, "w") as f:
-            json.dump(payload, f, indent=1)
-        print(f"raw numbers written to {args.out}")
+        layers, hidden, seq, batch = CONFIGS[config]
+        report.add_config(config, {"layers": layers, "hidden": hidden, "seq": seq, "batch": batch,
+                                   "heads": hidden // 64, "buckets": list(bucket_seqs(seq))})
+    # Profiled rows last, after every timed row: a profiler session may leave CUPTI hooked
+    # into later launches (and CUPTI re-initialisation has not always mixed with graphs).
+    for profiled in (False, True):
+        for config in args.configs:
+            cfg = CONFIGS[config]
+            variants = variants_for(cfg)
+            names = [n for n in args.variants if variants[n].profiled == profiled]
+            if not names:
+                continue
+            print(f"\n== {describe(config)}{' (profiled rows)' if profiled else ''} ==", flush=True)
+            run_rows(config, variants, names, lambda kind, cfg=cfg: make_inputs(cfg, kind), settings,
+                     lambda name, row, config=config: report.add_row(config, name, row))
+    finish(report, args.variants, STEP_TARGETS, args.png,
+           f"bench_step on {env['device']} (torch {env['torch']}, CUDA {env['cuda']})")
+
+
+def describe(config: str) -> str:
+    layers, hidden, seq, batch = CONFIGS[config]
+    return (f"{config}: {layers} layers, h {hidden}, s {seq}, b {batch}, heads {hidden // 64}, "
+            f"bf16, dropout {DROPOUT}; buckets s {'/'.join(map(str, bucket_seqs(seq)))}")
 
 
 if __name__ == "__main__":

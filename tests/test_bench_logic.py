@@ -1,0 +1,168 @@
+"""CPU tests for the benchmarks' pure logic: target verdicts, per-input medians, the table,
+the incremental JSON and the PNG, all from hand-made rows (no GPU, nothing timed)."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+_BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+if _BENCH not in sys.path:
+    sys.path.insert(0, _BENCH)
+
+import _targets as T  # noqa: E402
+from _measure import medians_by_label, progress_line  # noqa: E402
+from _report import JsonReport, table_lines, write_png  # noqa: E402
+
+
+def row(ms=None, mib=None, peak=None, capture=None, error=None) -> dict:
+    r = {"ms": ms, "steady_reserved_mib": mib, "build_peak_reserved_mib": peak, "capture_s": capture}
+    if error:
+        r["error"] = error
+    return {k: v for k, v in r.items() if v is not None}
+
+
+def tiny_rows(**changes) -> dict:
+    """Rows of a tiny config that meet every target; ``changes`` replace whole rows."""
+    rows = {
+        T.EAGER: row(ms=35.0, mib=200.0, peak=20.0),
+        T.EAGER_RECOMPUTE: row(ms=45.0, mib=150.0, peak=20.0),
+        T.KERNEL_FLOOR: row(ms=3.5),
+        T.FORWARD_KERNELS: row(ms=1.0),
+        T.TE_GRAPH: row(ms=4.0, mib=220.0, peak=215.0, capture=0.2),
+        T.TE_GRAPH_RECOMPUTE: row(ms=5.0, mib=160.0, peak=160.0, capture=0.3),
+        T.TORCH_GRAPHED: row(ms=8.0, mib=260.0, peak=300.0, capture=0.25),
+    }
+    rows.update(changes)
+    return rows
+
+
+def verdicts(results, targets=None) -> dict:
+    return {(line.config, line.key): line.verdict
+            for line in T.evaluate_targets(results, targets or T.STEP_TARGETS)}
+
+
+def test_every_target_passes_when_met():
+    assert verdicts({"tiny": tiny_rows()}) == {
+        ("tiny", "floor"): "PASS",  # 4.0 <= 1.2 * 3.5 = 4.2
+        ("tiny", "torch_speedup"): "PASS",  # 8.0 >= 2 * 4.0
+        ("tiny", "recompute_overhead"): "PASS",  # 5.0 <= 1.1 * (4.0 + 1.0)
+        ("tiny", "footprint"): "PASS",  # 220 <= 1.15 * 200
+        ("tiny", "footprint_recompute"): "PASS",  # 160 <= 1.15 * 150
+        ("tiny", "capture_peak"): "PASS",  # 215 <= 1.1 * 200
+        ("tiny", "capture_peak_recompute"): "PASS",  # 160 <= 1.1 * 150
+        ("tiny", "capture_time"): "PASS",  # 0.2 <= 0.25
+    }
+
+
+def test_every_target_fails_when_missed():
+    rows = tiny_rows(**{
+        T.TE_GRAPH: row(ms=4.3, mib=231.0, peak=221.0, capture=0.3),
+        T.TE_GRAPH_RECOMPUTE: row(ms=5.9, mib=173.0, peak=166.0, capture=0.4),
+        T.TORCH_GRAPHED: row(ms=8.5, capture=0.25),
+    })
+    assert verdicts({"tiny": rows}) == {
+        ("tiny", "floor"): "FAIL",  # 4.3 > 4.2
+        ("tiny", "torch_speedup"): "FAIL",  # 8.5 < 8.6
+        ("tiny", "recompute_overhead"): "FAIL",  # 5.9 > 1.1 * 5.3 = 5.83
+        ("tiny", "footprint"): "FAIL",  # 231 > 230
+        ("tiny", "footprint_recompute"): "FAIL",  # 173 > 172.5
+        ("tiny", "capture_peak"): "FAIL",  # 221 > 220
+        ("tiny", "capture_peak_recompute"): "FAIL",  # 166 > 165
+        ("tiny", "capture_time"): "FAIL",  # 0.3 > 0.25
+    }
+
+
+def test_limits_per_config_and_equality_passes():
+    small = tiny_rows(**{T.TE_GRAPH: row(ms=1.08 * 3.5, mib=200.0, peak=215.0, capture=0.2)})
+    medium = tiny_rows(**{T.TE_GRAPH: row(ms=1.04 * 3.5, mib=201.0, peak=215.0, capture=0.2)})
+    got = verdicts({"small": small, "medium": medium})
+    assert got["small", "floor"] == "PASS"  # exactly 1.08x
+    assert got["small", "footprint"] == "PASS"  # exactly 1.0x eager
+    assert got["small", "footprint_recompute"] == "FAIL"  # 160 > 1.0 * 150 (tiny allowed 1.15)
+    assert got["medium", "floor"] == "FAIL"  # 1.04x > 1.03x
+    assert got["medium", "footprint"] == "FAIL"  # 201 > 200
+    assert ("small", "torch_speedup") not in got and ("medium", "torch_speedup") not in got
+
+
+def test_missing_or_failed_rows_give_n_a_with_the_reason():
+    rows = tiny_rows(**{T.TORCH_GRAPHED: row(error="RuntimeError: boom")})
+    del rows[T.FORWARD_KERNELS]
+    lines = {line.key: line for line in T.evaluate_targets({"tiny": rows}, T.STEP_TARGETS)}
+    assert lines["torch_speedup"].verdict == "n/a"
+    assert "torch graphed failed" in lines["torch_speedup"].detail
+    assert lines["capture_time"].verdict == "n/a"
+    assert lines["recompute_overhead"].verdict == "n/a"
+    assert "forward kernels not run" in lines["recompute_overhead"].detail
+    assert lines["floor"].verdict == "PASS"
+    te_no_mib = tiny_rows(**{T.TE_GRAPH: row(ms=4.0)})
+    assert verdicts({"tiny": te_no_mib})["tiny", "footprint"] == "n/a"
+
+
+def test_configs_without_targets_are_skipped_and_peers_are_configurable():
+    assert T.evaluate_targets({"other": tiny_rows()}, T.STEP_TARGETS) == []
+    peer = "megatron full recompute"
+    rows = tiny_rows()
+    rows[peer] = rows.pop(T.EAGER_RECOMPUTE)
+    targets = {"megatron": T.Targets(floor_ratio=1.08, recompute_peer=peer)}
+    got = verdicts({"megatron": rows}, targets)
+    assert got["megatron", "footprint_recompute"] == "FAIL"  # 160 > 1.0 * 150
+    assert got["megatron", "capture_peak_recompute"] == "PASS"  # 160 <= 1.1 * 150
+    assert got["megatron", "floor"] == "FAIL"  # 4.0 > 1.08 * 3.5
+
+
+def test_bucket_rows_get_info_lines():
+    rows = tiny_rows(**{T.TE_GRAPH_BUCKETS: row(ms=3.0, mib=330.0), T.EAGER_BUCKETS: row(ms=30.0, mib=200.0)})
+    lines = [line for line in T.evaluate_targets({"tiny": rows}, T.STEP_TARGETS) if line.verdict == "info"]
+    assert [line.key for line in lines] == ["buckets_vs_te_graph", "buckets_vs_eager 3 buckets"]
+    assert "(1.50x)" in lines[0].detail and "(0.10x)" in lines[1].detail
+    formatted = T.format_lines(lines)
+    assert formatted[0].split()[:2] == ["info", "tiny"]
+
+
+def test_medians_by_label_groups_steps_by_input():
+    times = [1.0, 10.0, 100.0, 3.0, 30.0, 300.0, 2.0]
+    labels = ["s128", "s64", "s32"]
+    assert medians_by_label(times, labels) == {"s128": 2.0, "s64": 20.0, "s32": 200.0}
+
+
+def test_table_and_progress_lines():
+    rows = tiny_rows(**{T.TORCH_GRAPHED: row(error="RuntimeError: outputs must be tensors\nmore")})
+    rows[T.TE_GRAPH]["steady_allocated_mib"] = 100.0
+    rows[T.TE_GRAPH]["ms_by_input"] = {"s128": 4.5, "s64": 3.5}
+    lines = table_lines(rows)
+    te = next(line for line in lines if line.startswith("te_graph "))
+    assert "4.000" in te and "1.14" in te and "220" in te and "1.10" in te and "0.20" in te
+    assert any("median ms per input (s128: 4.500, s64: 3.500)" in line for line in lines)
+    assert any(line.startswith("torch graphed") and "ERROR: RuntimeError: outputs must be tensors more" in line
+               for line in lines)
+    assert progress_line("tiny", "torch graphed", rows[T.TORCH_GRAPHED]) == (
+        "[tiny] torch graphed: ERROR RuntimeError: outputs must be tensors")
+    done = progress_line("tiny", "te_graph", rows[T.TE_GRAPH])
+    assert done.startswith("[tiny] te_graph: 4.000 ms, steady 220 MiB reserved (100 allocated)")
+    assert done.endswith("capture 0.200 s")
+
+
+def test_json_report_is_rewritten_after_every_row(tmp_path):
+    path = tmp_path / "out.json"
+    report = JsonReport(str(path), {"torch": "x", "device": "fake"})
+    report.add_config("tiny", {"layers": 24})
+    report.add_row("tiny", "eager", row(ms=35.0, mib=200.0))
+    on_disk = json.loads(path.read_text())
+    assert on_disk["configs"]["tiny"]["variants"]["eager"]["ms"] == 35.0
+    report.set_targets(T.evaluate_targets({"tiny": tiny_rows()}, T.STEP_TARGETS))
+    on_disk = json.loads(path.read_text())
+    assert {t["verdict"] for t in on_disk["targets"]} == {"PASS"}
+    assert not (tmp_path / "out.json.tmp").exists()
+    assert JsonReport(None, {}).write() is None  # no path: nothing written
+
+
+def test_png_from_fake_results(tmp_path):
+    pytest.importorskip("matplotlib")
+    results = {"tiny": tiny_rows(**{T.TORCH_GRAPHED: row(error="boom")}), "small": tiny_rows()}
+    path = write_png(str(tmp_path / "table.png"), results, "fake")
+    assert path is not None
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
