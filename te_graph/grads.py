@@ -32,6 +32,8 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 _grad_of = operator.attrgetter("grad")
+_tensor_hooks = operator.attrgetter("_backward_hooks")
+_post_accumulate_hooks = operator.attrgetter("_post_accumulate_grad_hooks")
 
 # Parameter -> weak reference to its buffer. Keyed by identity (a plain WeakKeyDictionary
 # would compare tensors with ``==``); the buffer lives as long as a graph that accumulates
@@ -49,9 +51,7 @@ def ddp_forward_active() -> bool:
     return _DDP is not None and getattr(_DDP, "_active_ddp_module", None) is not None
 
 
-def has_grad_hooks(param: torch.Tensor) -> bool:
-    """True when hooks on ``param`` observe its gradient (tensor or post-accumulate hooks)."""
-    return bool(param._backward_hooks) or bool(getattr(param, "_post_accumulate_grad_hooks", None))
+_HAS_POST_ACCUMULATE = hasattr(torch.Tensor, "register_post_accumulate_grad_hook")
 
 
 def grad_buffer(param: torch.Tensor) -> torch.Tensor:
@@ -98,8 +98,12 @@ class ParamGrads:
         self.buffers = tuple(grad_buffer(p) for p in self.params)
 
     def observed(self) -> bool:
-        """Whether hooks on any of the parameters observe its gradient."""
-        return any(map(has_grad_hooks, self.params))
+        """Whether hooks on any of the parameters observe its gradient (on the hot path:
+        two C-level attribute reads per parameter)."""
+        params = self.params
+        return any(map(_tensor_hooks, params)) or (
+            _HAS_POST_ACCUMULATE and any(map(_post_accumulate_hooks, params))
+        )
 
     def prepare_in_graph(self) -> None:
         """Before an in-graph replay: make each ``param.grad`` its buffer, keeping its value.

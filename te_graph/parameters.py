@@ -81,13 +81,14 @@ class ForeignLeaves(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         for leaf in pytree.tree_leaves((args, kwargs)):
-            if (
-                isinstance(leaf, torch.Tensor)
-                and leaf.requires_grad
-                and leaf.is_leaf
-                and id(leaf) not in self.allowed
-            ):
-                self.found.setdefault(id(leaf), leaf)
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad and leaf.is_leaf:
+                # A view made with grad off (weight.t() inside an autograd Function's
+                # forward) is a leaf too: judge it by the tensor it views.
+                base = leaf
+                while base._base is not None:
+                    base = base._base
+                if id(base) not in self.allowed:
+                    self.found.setdefault(id(base), base)
         return func(*args, **kwargs)
 
     def raise_if_any(self, name: str) -> None:

@@ -373,3 +373,38 @@ def test_graph_pool_handle_without_cuda():
 
     with pytest.raises(RuntimeError, match=re.escape("te_graph.graph_pool_handle(): CUDA is not available, and a graph memory pool lives on a CUDA device. In eager replay (eager_replay=True) no pool is needed")):
         te_graph.graph_pool_handle()
+
+
+class _LinearFunction(torch.autograd.Function):
+    """Megatron's linear layer shape: weight.t() inside an autograd Function's forward
+    (grad off there, so the view is a leaf that requires grad)."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return torch.matmul(x, weight.t())
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        return grad @ weight, grad.t() @ x
+
+
+class _MegatronStyleLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x):
+        return _LinearFunction.apply(x, self.weight)
+
+
+def test_a_view_of_a_parameter_inside_an_autograd_function_is_not_foreign():
+    m = _MegatronStyleLinear()
+    reference = _MegatronStyleLinear()
+    reference.load_state_dict(m.state_dict())
+    graphed = make_graphed_callables(m, X1, eager_replay=True)
+    x = _x()
+    graphed(x).sum().backward()
+    reference(x.detach()).sum().backward()
+    assert torch.equal(m.weight.grad, reference.weight.grad)
