@@ -119,16 +119,20 @@ class _Spec:
         self.structure = None
 
     def tensor_leaves(self, outputs: Any) -> tuple:
-        """Record the output structure; return its tensor leaves."""
-        self.leaves, self.structure = pytree.tree_flatten(outputs)
-        return tuple(x for x in self.leaves if isinstance(x, torch.Tensor))
+        """Record the output structure; return its tensor leaves. The spec keeps only the
+        constants (tensors in it would keep the autograd graph alive in a cycle through
+        the node that holds the spec)."""
+        leaves, self.structure = pytree.tree_flatten(outputs)
+        self.leaves = [_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
+        return tuple(x for x in leaves if isinstance(x, torch.Tensor))
 
     def rebuild(self, tensors: tuple) -> Any:
         tensors = iter(tensors)
-        leaves = [next(tensors) if isinstance(x, torch.Tensor) else x for x in self.leaves]
+        leaves = [next(tensors) if x is _TENSOR else x for x in self.leaves]
         return pytree.tree_unflatten(leaves, self.structure)
 
 
+_TENSOR = object()  # where a tensor leaf of the output goes
 _NOT_DISTRIBUTED = object()
 
 

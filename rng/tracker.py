@@ -8,6 +8,7 @@ classic Megatron scheme; this is what CPU generators use).
 from __future__ import annotations
 
 import contextlib
+import operator
 from typing import Any, Iterator, Mapping
 
 import torch
@@ -185,20 +186,14 @@ def model_parallel_cuda_manual_seed(
     * ``'data-parallel-rng'``: ``seed`` (Megatron-core's named copy of the default stream).
 
     Ranks default to 0 (one rank of each kind). ``tracker`` defaults to ours; a duck-typed
-    graph-safe tracker (Megatron-core's, TE's) is reseeded in place where it already has
-    the streams, so graphs captured earlier keep drawing from them.
+    graph-safe tracker (Megatron-core's, TE's) has each stream it already holds as a
+    generator reseeded in place (graphs captured earlier keep drawing from it) and the
+    others added.
     """
-    ranks = {"tp_rank": tp_rank, "ep_rank": ep_rank, "etp_rank": etp_rank}
-    for name, value in ranks.items():
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            raise TypeError(
-                f"model_parallel_cuda_manual_seed: {name} must be an int rank, got "
-                f"{value!r}. Megatron's own function takes flags (te_rng_tracker, "
-                "inference_rng_tracker, ...) in these positions; pass ranks by keyword, "
-                "e.g. model_parallel_cuda_manual_seed(seed, tp_rank=rank)."
-            )
+    tp_rank, ep_rank, etp_rank = (
+        _rank(name, value) for name, value in (("tp_rank", tp_rank), ("ep_rank", ep_rank), ("etp_rank", etp_rank))
+    )
     tracker = tracker if tracker is not None else get_cuda_rng_tracker()
-    tp_rank, ep_rank, etp_rank = tp_rank or 0, ep_rank or 0, etp_rank or 0
     seeds = {
         MODEL_PARALLEL_RNG: seed + 2718 + tp_rank,
         EXPERT_PARALLEL_RNG: seed + 1024 + 100 * ep_rank + etp_rank,
@@ -208,13 +203,33 @@ def model_parallel_cuda_manual_seed(
     default_generator(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu").manual_seed(seed)
     if not isinstance(tracker, CudaRNGStatesTracker):
         live = tracker.get_states()
-        if all(isinstance(live.get(name), torch.Generator) for name in seeds):
+        if any(isinstance(state, torch.Generator) for state in live.values()):
             for name, stream_seed in seeds.items():
-                live[name].manual_seed(stream_seed)  # in place: the objects stay the same
+                if isinstance(live.get(name), torch.Generator):
+                    live[name].manual_seed(stream_seed)  # in place: the objects stay the same
+                else:
+                    tracker.add(name, stream_seed)
             return
     tracker.reset()
     for name, stream_seed in seeds.items():
         tracker.add(name, stream_seed)
+
+
+def _rank(name: str, value: Any) -> int:
+    """A rank argument as an int (numpy ints too); flags in rank positions are refused."""
+    if value is None:
+        return 0
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(
+            f"model_parallel_cuda_manual_seed: {name} must be an int rank, got {value!r}. "
+            "Megatron's own function takes flags (te_rng_tracker, inference_rng_tracker, ...) "
+            "in these positions; pass ranks by keyword, e.g. "
+            "model_parallel_cuda_manual_seed(seed, tp_rank=rank)."
+        ) from None
 
 
 def snapshot_tracker_states(tracker: object) -> dict[str, RNGState]:

@@ -123,10 +123,10 @@ def make_graphed_callables(
         reuse_graph_input_output_buffers: with ``order``, let later microbatches reuse static
             buffers of microbatches whose backward has run (an output is then valid only
             until its backward runs).
-        accumulate_grads_in_graph: ``None`` (default): parameter grads are accumulated inside
-            the backward graph unless something observes them at that call (DDP, hooks on a
-            parameter), where they go through autograd; always through autograd when
-            parameters carry Megatron's ``main_grad``. ``False``: always through autograd.
+        accumulate_grads_in_graph: ``None`` or ``True`` (default): parameter grads are
+            accumulated inside the backward graph unless something observes them at that
+            call (a DDP forward, hooks on a parameter, Megatron's ``main_grad``), where they
+            go through autograd. ``False``: always through autograd.
         clone_param_grads_on_return: on the autograd path, hand autograd a copy of each
             parameter grad wherever it could be kept (TE's default). ``False`` hands over the
             graph's buffer itself (Megatron, whose hooks consume it at once).
@@ -173,7 +173,7 @@ def make_graphed_callables(
         eager_replay = eager_replay_default()
 
     # -- checks: nothing has been changed yet ------------------------------------------
-    pool = _pool_handle(pool)
+    pool = _pool_handle(pool, eager_replay)
     callables_ = checks.check_callables(modules)
     single = not isinstance(modules, (tuple, list))
     checks.check_warmup_iters(num_warmup_iters)
@@ -198,6 +198,7 @@ def make_graphed_callables(
     normalised = [
         _normalise_samples(a, k, single and order is None, len(callables_)) for a, k in variants
     ]
+    normalised = _same_keywords(normalised, [k is None for _, k in variants])
     schedule = plan_schedule(len(callables_), len(normalised[0][0]), order, options["num_layers_per_chunk"])
     for args, kwargs in normalised[1:]:
         if len(args) != len(normalised[0][0]):
@@ -235,40 +236,39 @@ def make_graphed_callables(
     _check_distinct_shapes(spec_sets)
     for specs in spec_sets:
         checks.check_devices([s.func for s in specs], [s.layout for s in specs], eager_replay)
-    params = [p for s in spec_sets[0] for p in s.params]
-    if accumulate_grads_in_graph is None:
-        accumulate_grads_in_graph = not any(hasattr(p, "main_grad") for p in params)
     tracker = get_rng_state_tracker() if get_rng_state_tracker is not None else rng.get_cuda_rng_tracker()
-    if eager_replay:
-        pool = None
-    elif pool is None:
+    if pool is None and not eager_replay:
         pool = torch.cuda.graph_pool_handle()
 
-    # -- warmup and capture (each restores everything it changes if it fails) -----------
+    # -- warmup and capture (restores everything it changes if it fails) ----------------
     # The largest shape first: later (smaller) captures then fit into the memory it freed.
-    for specs in sorted(spec_sets, key=_size, reverse=True):
-        capture(
-            specs,
-            schedule.steps,
-            CaptureOptions(
-                num_warmup_iters=num_warmup_iters,
-                allow_unused_input=allow_unused_input,
-                reuse_buffers=options["reuse_graph_input_output_buffers"] and not eager_replay,
-                pool=pool,
-                tracker=tracker,
-                eager_replay=eager_replay,
-                capture_error_mode=capture_error_mode,
-                pre_warmup_hook=pre_warmup_hook,
-                post_warmup_hook=post_warmup_hook,
-            ),
-        )
+    capture(
+        sorted(spec_sets, key=_size, reverse=True),
+        schedule.steps,
+        CaptureOptions(
+            num_warmup_iters=num_warmup_iters,
+            allow_unused_input=allow_unused_input,
+            reuse_buffers=options["reuse_graph_input_output_buffers"] and not eager_replay,
+            pool=pool,
+            tracker=tracker,
+            eager_replay=eager_replay,
+            capture_error_mode=capture_error_mode,
+            pre_warmup_hook=pre_warmup_hook,
+            post_warmup_hook=post_warmup_hook,
+        ),
+    )
 
     # -- replay wrappers -----------------------------------------------------------------
-    replay = ReplayOptions(always_autograd=not accumulate_grads_in_graph, clone_param_grads=clone_param_grads_on_return)
+    replay = ReplayOptions(
+        always_autograd=accumulate_grads_in_graph is False, clone_param_grads=clone_param_grads_on_return
+    )
     clock = Clock() if len(spec_sets) > 1 else None
     runner_type = EagerRunner if eager_replay else GraphRunner
     graphed = [
-        GraphedCallable([runner_type(specs[i], replay, clock) for specs in spec_sets], spec_sets[0][i], pool, unseen_shape)
+        GraphedCallable(
+            [runner_type(specs[i], replay, clock, variant) for variant, specs in enumerate(spec_sets)],
+            spec_sets[0][i], pool, unseen_shape,
+        )
         for i in range(len(spec_sets[0]))
     ]
     if order is not None:
@@ -338,6 +338,39 @@ def _normalise_samples(sample_args: Any, sample_kwargs: Any, single: bool, num_c
     return args, tuple(dict(k or {}) for k in sample_kwargs)
 
 
+def _same_keywords(normalised: list[tuple[tuple, tuple]], plain: list[bool]) -> list[tuple[tuple, tuple]]:
+    """Every sample set has the keywords of ``sample_kwargs``: a ``more_shapes`` entry
+    without kwargs takes them when they hold no tensor (tensors change shape with the
+    sample set); keys and constants must match, since a call's keywords pick no graph."""
+    base_args, base_kwargs = normalised[0]
+    result = [normalised[0]]
+    for number, ((args, kwargs), no_kwargs) in enumerate(zip(normalised[1:], plain[1:]), start=1):
+        if no_kwargs and any(base_kwargs):
+            if any(isinstance(v, torch.Tensor) for k in base_kwargs for v in k.values()):
+                raise ValueError(
+                    f"make_graphed_callables: more_shapes entry {number - 1} has no sample kwargs, "
+                    "but sample_kwargs holds tensors, whose shapes follow the sample set; give "
+                    "that entry as te_graph.Samples(args, kwargs)."
+                )
+            kwargs = base_kwargs
+        for slot, (mine, base) in enumerate(zip(kwargs, base_kwargs)):
+            constants = {k: v for k, v in base.items() if not isinstance(v, torch.Tensor)}
+            same_constants = all(
+                key in mine and not isinstance(mine[key], torch.Tensor) and mine[key] == value
+                for key, value in constants.items()
+            )
+            if mine.keys() != base.keys() or not same_constants:
+                raise ValueError(
+                    f"make_graphed_callables: the sample kwargs of more_shapes entry {number - 1} "
+                    f"(graph {slot}) have keys {sorted(mine)} and constants "
+                    f"{ {k: v for k, v in mine.items() if not isinstance(v, torch.Tensor)} }, but "
+                    f"sample_kwargs has {sorted(base)} and {constants}; every shape must take the "
+                    "same keywords and the same constant values (only tensor shapes may differ)."
+                )
+        result.append((args, kwargs))
+    return result
+
+
 def _check_distinct_shapes(spec_sets: list[list[GraphSpec]]) -> None:
     for i in range(len(spec_sets[0])):
         shapes = [tuple(t.shape for t in specs[i].layout.samples) for specs in spec_sets]
@@ -370,14 +403,16 @@ def _is_mempool(value: Any) -> bool:
     return mempool is not None and isinstance(value, mempool)
 
 
-def _pool_handle(pool: Any) -> Optional[tuple[int, int]]:
-    """A capture pool handle from anything ``pool=`` accepts."""
+def _pool_handle(pool: Any, eager_replay: bool) -> Optional[tuple[int, int]]:
+    """A capture pool handle from anything ``pool=`` accepts (None in eager replay)."""
     if pool is None or _is_handle(pool):
-        return pool
+        return None if eager_replay else pool
     if _is_mempool(pool):
-        return pool.id
+        return None if eager_replay else pool.id
     graphed = graphed_callable_of(pool)
     if graphed is not None:
+        if eager_replay:
+            return None
         if graphed.pool is None:
             raise ValueError(
                 "make_graphed_callables: pool= names a graphed callable made in eager replay, "

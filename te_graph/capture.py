@@ -38,7 +38,7 @@ from .hooks import CaptureTimeHooks
 from .layout import InputLayout, OutputLayout, weak_alias
 from .module_state import ModuleBuffers
 from .parameters import ForeignLeaves, StandIns
-from .recompute_rng import BackwardDraws, ForwardDraws, RecomputeRNG, TrackerWatch
+from .recompute_rng import BackwardDraws, ForwardDraws, RecomputeRNG, TrackerSync
 from .schedule import Step, plan_buffer_reuse
 
 
@@ -65,7 +65,8 @@ class GraphSpec:
     static_grad_inputs: tuple = ()
     param_grads: ParamGrads | None = None
     rng: RecomputeRNG | None = None
-    watch: TrackerWatch | None = None
+    sync_forward: TrackerSync | None = None  # duck-typed trackers: keep graphs in step
+    sync_backward: TrackerSync | None = None
     draws: tuple = field(default=(), repr=False)  # (ForwardDraws, BackwardDraws | None)
     unused: list = field(default_factory=list, repr=False)  # inputs no output depends on
 
@@ -162,8 +163,14 @@ class CaptureOptions:
     post_warmup_hook: Optional[Callable[[], None]] = None
 
 
-def capture(specs: Sequence[GraphSpec], steps: Sequence[Step], options: CaptureOptions) -> None:
-    """Warm up and (unless ``options.eager_replay``) capture every spec, filling it in place."""
+def capture(spec_sets: Sequence[Sequence[GraphSpec]], steps: Sequence[Step], options: CaptureOptions) -> None:
+    """Warm up and (unless ``options.eager_replay``) capture every spec, filling it in place.
+
+    ``spec_sets`` holds one list of specs per captured shape, each following ``steps``; all
+    are warmed up first (between ``pre_warmup_hook`` and ``post_warmup_hook``), then all
+    are captured, in the order given, into one pool.
+    """
+    specs = [spec for specs in spec_sets for spec in specs]
     modules = _unique_modules(specs)
     buffers = ModuleBuffers(modules.values(), modules.keys())
     stand_ins = StandIns(modules.values())
@@ -182,12 +189,18 @@ def capture(specs: Sequence[GraphSpec], steps: Sequence[Step], options: CaptureO
             with stand_ins.installed():
                 if options.pre_warmup_hook is not None:
                     options.pre_warmup_hook()
-                _warmup(specs, steps, options, stand_ins, buffers)
+                for shape_specs in spec_sets:
+                    _warmup(shape_specs, steps, options, stand_ins, buffers)
                 if options.post_warmup_hook is not None:
                     options.post_warmup_hook()
                 if options.eager_replay:
                     return
-                _capture_graphs(specs, steps, options, stand_ins)
+                # Warmup's activations sit in the allocator's cache of the capture stream,
+                # where nothing but another warmup can use them; release them before the
+                # pool grows.
+                torch.cuda.empty_cache()
+                for shape_specs in spec_sets:
+                    _capture_graphs(shape_specs, steps, options, stand_ins)
                 buffers.check_not_reassigned()
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
@@ -289,11 +302,10 @@ def _capture_graphs(specs, steps, options: CaptureOptions, stand_ins: StandIns) 
     for spec in specs:
         forward, backward = spec.draws
         spec.rng = RecomputeRNG.create(forward, backward, device)
-        spec.watch = TrackerWatch.needed(options.tracker, forward.streams)
+        spec.sync_forward = TrackerSync.needed(options.tracker, {k: forward.streams[k] for k in forward.used})
+        if backward is not None:
+            spec.sync_backward = TrackerSync.needed(options.tracker, {k: backward.streams[k] for k in backward.used})
         spec.draws = ()
-    # Warmup's activations sit in the allocator's cache of the capture stream, where
-    # nothing but another warmup can use them; release them before the pool grows.
-    torch.cuda.empty_cache()
     mempool = options.pool if options.pool is not None else torch.cuda.graph_pool_handle()
     donors = plan_buffer_reuse(steps, [_signature(s) for s in specs]) if options.reuse_buffers else {}
     passed_on = {d for d in donors.values() if d is not None}

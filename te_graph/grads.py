@@ -16,7 +16,8 @@ one of two paths, chosen at each call:
 * **through autograd**, when something observes per-parameter gradients: DDP (its reducer
   hooks the gradient accumulators), hooks on the parameter (``register_hook``,
   ``register_post_accumulate_grad_hook``), parameters with Megatron's ``main_grad`` (its
-  DDP hooks the accumulators too) or ``accumulate_grads_in_graph=False``. The buffer is
+  DDP hooks the accumulators too; attached before or after graphing) or
+  ``accumulate_grads_in_graph=False``. The buffer is
   zeroed, the replay leaves the fresh gradient in it, and the graphed call hands it to
   autograd as the parameter's gradient, so accumulation and every hook run exactly as in
   eager code, once per backward.
@@ -52,6 +53,10 @@ def ddp_forward_active() -> bool:
 
 
 _HAS_POST_ACCUMULATE = hasattr(torch.Tensor, "register_post_accumulate_grad_hook")
+
+
+def _has_main_grad(param: torch.Tensor) -> bool:
+    return "main_grad" in param.__dict__
 
 
 def grad_buffer(param: torch.Tensor) -> torch.Tensor:
@@ -98,11 +103,14 @@ class ParamGrads:
         self.buffers = tuple(grad_buffer(p) for p in self.params)
 
     def observed(self) -> bool:
-        """Whether hooks on any of the parameters observe its gradient (on the hot path:
-        two C-level attribute reads per parameter)."""
+        """Whether something observes a parameter's gradient: hooks on it, or Megatron's
+        ``main_grad`` (its DDP hooks the gradient accumulator), attached before or after
+        graphing. On the hot path: a few C-level attribute reads per parameter."""
         params = self.params
-        return any(map(_tensor_hooks, params)) or (
-            _HAS_POST_ACCUMULATE and any(map(_post_accumulate_hooks, params))
+        return (
+            any(map(_tensor_hooks, params))
+            or (_HAS_POST_ACCUMULATE and any(map(_post_accumulate_hooks, params)))
+            or any(map(_has_main_grad, params))
         )
 
     def prepare_in_graph(self) -> None:

@@ -114,7 +114,8 @@ class InputLayout:
                 raise ValueError(
                     f"{self.name}: keyword argument {key!r} is {describe_value(now)} but was "
                     f"{describe_value(value)} at capture; non-tensor keyword arguments are baked "
-                    "into the graph. Capture another graph for the other value."
+                    "into the graph. Pass the captured value, or pass this argument as a tensor "
+                    "(tensors are inputs the graph reads at every call)."
                 )
         for key in self.tensor_keys:
             tensors.append(kwargs[key])

@@ -177,14 +177,18 @@ class _CaptureRegions:
             )
 
 
-class TrackerWatch:
-    """Refuses replays after a duck-typed tracker replaced a stream's generator object.
+class TrackerSync:
+    """Keeps the generators a graph draws from in step with a duck-typed tracker.
 
-    Graphs draw from the generator *objects* they were captured with. Our tracker keeps
-    them for good (reseeding and ``set_states`` copy content in place), but Megatron-core's
-    and TE's trackers make new objects on ``reset()``/``add()`` and store whatever
-    ``set_states()`` gets: the graphs would then keep drawing from the old streams while
-    eager code draws from the new ones.
+    Graphs draw from the generator *states* they were captured with. Our tracker keeps its
+    generator objects for good (reseeding and ``set_states`` copy content in place).
+    Megatron-core's and TE's trackers hand out new ``Generator`` objects: every ``fork``
+    stores ``graphsafe_get_state()`` (a new object on the same state, harmless), and
+    ``reset()``/``add()`` or ``set_states()`` (reseeding, loading a checkpoint) put new
+    *states* in place, which the graphs would not see. So around each replay the captured
+    generator takes the tracker's current (seed, offset) when they differ, and the tracker's
+    generator takes the offset the replay advanced to: the graphs follow the tracker as
+    eager code would.
     """
 
     def __init__(self, tracker: Any, streams: Mapping[str, torch.Generator]):
@@ -192,22 +196,37 @@ class TrackerWatch:
         self.streams = tuple((k, g) for k, g in streams.items() if k != rng.DEFAULT_STREAM)
 
     @classmethod
-    def needed(cls, tracker: Any, streams: Mapping[str, torch.Generator]) -> Optional["TrackerWatch"]:
+    def needed(cls, tracker: Any, streams: Mapping[str, torch.Generator]) -> Optional["TrackerSync"]:
+        """A sync for the tracker streams in ``streams``; None for ours, which needs none."""
         if tracker is None or isinstance(tracker, rng.CudaRNGStatesTracker):
             return None
-        watch = cls(tracker, streams)
-        return watch if watch.streams else None
+        sync = cls(tracker, streams)
+        return sync if sync.streams else None
 
-    def check(self, name: str) -> None:
+    def before_replay(self, name: str) -> list:
+        """Make the captured generators hold the tracker's current states."""
         states = self.tracker.get_states()
-        for key, generator in self.streams:
-            if states.get(key) is not generator:
+        moved = []
+        for key, ours in self.streams:
+            theirs = states.get(key)
+            if theirs is ours:
+                continue
+            if not isinstance(theirs, torch.Generator) or theirs.device != ours.device:
                 raise RuntimeError(
-                    f"{name}: the RNG tracker's stream {key!r} is no longer the generator object "
-                    "the graphs were captured with (the tracker replaced it: reseeding "
-                    "Megatron-core's or TE's tracker with reset()/add(), or set_states() with "
-                    "other generators). The graphs would keep drawing from the old stream. "
-                    "Reseed in place with rng.model_parallel_cuda_manual_seed(seed, "
-                    "tracker=...) or restore saved states with rng.restore_tracker_states(), "
-                    "which keep the generator objects; or graph the layers again."
+                    f"{name}: the RNG tracker's stream {key!r} is now "
+                    f"{type(theirs).__name__ if theirs is not None else 'missing'}, not a "
+                    f"generator on {ours.device}; the graphs draw from it. Keep the tracker in "
+                    "its graph-safe mode (generator states) while graphed layers run."
                 )
+            seed, offset = theirs.initial_seed(), theirs.get_offset()
+            if seed != ours.initial_seed() or offset != ours.get_offset():
+                ours.manual_seed(seed)
+                ours.set_offset(offset)
+            moved.append((theirs, ours))
+        return moved
+
+    @staticmethod
+    def after_replay(moved: list) -> None:
+        """Hand the tracker's generators the offsets the replay advanced to."""
+        for theirs, ours in moved:
+            theirs.set_offset(ours.get_offset())

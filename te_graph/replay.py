@@ -43,17 +43,20 @@ class ReplayOptions:
 
 
 class Clock:
-    """Shared by the graphs of one call captured for several shapes, which share memory: it
-    ticks whenever a forward of another shape than the last one replays."""
+    """Shared by the graphs of one call captured for several shapes (sample sets), which
+    share memory: it ticks whenever a forward of another sample set than the last one
+    replays. Layers of one sample set may have different shapes from each other."""
 
-    __slots__ = ("shape", "tick")
+    __slots__ = ("variant", "shape", "tick")
 
     def __init__(self) -> None:
-        self.shape: Any = None
+        self.variant = -1
+        self.shape: Any = None  # of the forward that last ticked, for error messages
         self.tick = 0
 
-    def forward(self, shape: Any) -> int:
-        if shape != self.shape:
+    def forward(self, variant: int, shape: Any) -> int:
+        if variant != self.variant:
+            self.variant = variant
             self.shape = shape
             self.tick += 1
         return self.tick
@@ -83,8 +86,9 @@ def _keeps_grad(t: torch.Tensor) -> bool:
 class GraphRunner:
     """Replays a captured forward/backward graph pair on its static buffers."""
 
-    def __init__(self, spec: GraphSpec, options: ReplayOptions, clock: Optional[Clock] = None):
+    def __init__(self, spec: GraphSpec, options: ReplayOptions, clock: Optional[Clock] = None, variant: int = 0):
         self.name = spec.name
+        self.variant = variant
         self.layout = spec.layout
         self.output = spec.output
         self.shape = tuple(t.shape for t in spec.layout.samples)
@@ -98,7 +102,8 @@ class GraphRunner:
         self.fwd_graph = spec.fwd_graph
         self.bwd_graph = spec.bwd_graph
         self.rng = spec.rng if spec.rng is not None and spec.rng.has_regions else None
-        self.watch = spec.watch
+        self.sync_forward = spec.sync_forward
+        self.sync_backward = spec.sync_backward
         self.param_grads = spec.param_grads
         self.retains_graph = spec.retain_graph
         self.always_autograd = options.always_autograd
@@ -124,11 +129,12 @@ class GraphRunner:
 
     def forward(self, inputs: tuple[torch.Tensor, ...], through_autograd: bool, with_backward: bool = True) -> tuple[Invocation, tuple]:
         copy_grads = self._copy_inputs(inputs)
-        if self.watch is not None:
-            self.watch.check(self.name)
+        moved = self.sync_forward.before_replay(self.name) if self.sync_forward is not None else None
         record = self.rng.record() if self.rng is not None and with_backward else ()
-        tick = self.clock.forward(self.shape) if self.clock is not None else 0
+        tick = self.clock.forward(self.variant, self.shape) if self.clock is not None else 0
         self.fwd_graph.replay()
+        if moved:
+            self.sync_forward.after_replay(moved)
         outputs = tuple(o.detach() for o in self.static_outputs)
         return Invocation(self.generation, tick, record, copy_grads, through_autograd), outputs
 
@@ -148,7 +154,10 @@ class GraphRunner:
             self.param_grads.prepare_in_graph()
         if invocation.record:
             self.rng.restore(invocation.record)
+        moved = self.sync_backward.before_replay(self.name) if self.sync_backward is not None else None
         self.bwd_graph.replay()
+        if moved:
+            self.sync_backward.after_replay(moved)
         input_grads = tuple(
             None if g is None else (g.clone() if copy else g.detach())
             for g, copy in zip(self.static_grad_inputs, invocation.copy_grads)
@@ -174,11 +183,10 @@ class GraphRunner:
         if self.clock is not None and invocation.tick != self.clock.tick:
             raise RuntimeError(
                 f"{self.name}: this backward belongs to a forward replay of shape "
-                f"{_shapes(self.shape)}, but since then graphs of shape {_shapes(self.clock.shape)} "
-                "replayed, and the graphs of every shape share one memory pool, so they "
-                "overwrote its activations. Run the backward of each shape before forwards of "
-                "another shape (one shape per step), or graph the shapes in separate "
-                "make_graphed_callables calls (separate pools)."
+                f"{_shapes(self.shape)}, but since then graphs of another sample set (shape "
+                f"{_shapes(self.clock.shape)}) replayed, and the graphs of every shape share one "
+                "memory pool, so they overwrote its activations. Run the backwards of one shape "
+                "before the forwards of another (one shape per step)."
             )
 
     def reset(self) -> None:
@@ -201,8 +209,9 @@ def _shapes(shape: Any) -> str:
 class EagerRunner(GraphRunner):
     """Same wrapper, no graphs: runs the callable on the static buffers at every call."""
 
-    def __init__(self, spec: GraphSpec, options: ReplayOptions, clock: Optional[Clock] = None):
+    def __init__(self, spec: GraphSpec, options: ReplayOptions, clock: Optional[Clock] = None, variant: int = 0):
         self.spec = spec
+        self.variant = variant
         self.name = spec.name
         self.layout = spec.layout
         self.output = spec.output
@@ -224,7 +233,7 @@ class EagerRunner(GraphRunner):
     def forward(self, inputs, through_autograd, with_backward=True):
         spec = self.spec
         copy_grads = self._copy_inputs(inputs)
-        tick = self.clock.forward(self.shape) if self.clock is not None else 0
+        tick = self.clock.forward(self.variant, self.shape) if self.clock is not None else 0
         args, kwargs = spec.layout.unflatten(self.static_inputs)
         with torch.enable_grad() if spec.needs_backward and with_backward else torch.no_grad():
             outputs = spec.output.tensors_of(spec.call(*args, **kwargs))

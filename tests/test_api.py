@@ -169,8 +169,8 @@ def test_mixing_shapes_before_their_backwards_is_refused(device, eager_replay):
     y8.sum().backward()  # the latest shape's backward is fine
     with pytest.raises(RuntimeError, match=re.escape(
             "callable 0 (GPTBlock): this backward belongs to a forward replay of shape (16, 2, 64), "
-            "but since then graphs of shape (8, 2, 64) replayed, and the graphs of every shape share "
-            "one memory pool")):
+            "but since then graphs of another sample set (shape (8, 2, 64)) replayed, and the graphs "
+            "of every shape share one memory pool")):
         y16.sum().backward()
 
 
@@ -217,3 +217,38 @@ def test_reset_gives_the_pool_memory_back():
     after = footprint()
     assert during > before, "the graphs hold pool memory"
     assert after == before, f"reset left {(after - before) / 2**20:.1f} MiB reserved"
+
+
+class _Widen(nn.Module):
+    def __init__(self, width_in, width_out):
+        super().__init__()
+        self.lin = nn.Linear(width_in, width_out)
+
+    def forward(self, x, scale=1.0):
+        return self.lin(x) * scale
+
+
+def test_several_shapes_with_layers_of_different_widths_and_constants():
+    """The shape-mixing check follows sample sets, not shapes (layers differ in width);
+    a more_shapes entry without kwargs takes sample_kwargs' constants."""
+    layers = [_Widen(4, 8), _Widen(8, 4)]
+    reference = clone_modules(layers)
+
+    def samples(seq):
+        return ((torch.randn(seq, 4, requires_grad=True),), (torch.randn(seq, 8, requires_grad=True),))
+
+    kwargs = ({"scale": 2.0}, {"scale": 2.0})
+    graphed = make_graphed_callables(tuple(layers), samples(6), sample_kwargs=kwargs,
+                                     more_shapes=[samples(3)], eager_replay=True)
+    for seq in (6, 3, 6):
+        x = torch.randn(seq, 4, requires_grad=True)
+        y = run_layers(graphed, x, scale=2.0)
+        y_ref = run_layers(reference, x, scale=2.0)
+        assert torch.equal(y, y_ref)
+        y.sum().backward()
+    with pytest.raises(ValueError, match=re.escape(
+            "the sample kwargs of more_shapes entry 0 (graph 0) have keys ['scale'] and constants "
+            "{'scale': 3.0}, but sample_kwargs has ['scale'] and {'scale': 2.0}; every shape must "
+            "take the same keywords and the same constant values")):
+        make_graphed_callables(tuple(clone_modules(reference)), samples(6), sample_kwargs=kwargs,
+                               more_shapes=[Samples(samples(3), ({"scale": 3.0}, {"scale": 3.0}))], eager_replay=True)

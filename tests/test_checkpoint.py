@@ -699,3 +699,24 @@ def test_warmup_hook_sees_the_streams_and_offsets_of_each_region():
     draws.close()
     assert [r.offsets for r in draws.regions] == [{rng.DEFAULT_STREAM: 4}, {MODEL_PARALLEL_RNG: 0}, {}]
     assert draws.used == (rng.DEFAULT_STREAM, MODEL_PARALLEL_RNG)
+
+
+@REENTRANT
+def test_outputs_and_their_graph_are_freed_without_the_garbage_collector(use_reentrant):
+    """Nothing the checkpoint keeps refers back to its outputs: dropping them frees the
+    autograd graph at once (a reference cycle through the autograd node would hold every
+    step's activations until a collection, or forever)."""
+    import gc
+    import weakref
+
+    x = torch.randn(64, requires_grad=True)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        out = checkpoint(lambda t: [t * 2, {"a": t.sin(), "n": 1}], x, use_reentrant=use_reentrant)
+        refs = [weakref.ref(out[0]), weakref.ref(out[1]["a"])]
+        del out
+        assert all(r() is None for r in refs), "the outputs outlived their last reference"
+    finally:
+        if enabled:
+            gc.enable()

@@ -107,6 +107,7 @@ SETUPS = [
     Setup("tensor-hooks-first", hooks=("tensor",), hooks_first=True, dropout=0.1, recompute="reentrant"),
     Setup("post-accumulate-hooks", hooks=("post_accumulate",)),
     Setup("megatron-main-grad", hooks=("main_grad",), hooks_first=True, dropout=0.1, recompute="reentrant"),
+    Setup("megatron-main-grad-after-graphing", hooks=("main_grad",), dropout=0.1),
     Setup("main-grad-uncloned", hooks=("main_grad",), hooks_first=True, options=(("clone_param_grads_on_return", False),)),
     Setup("grads-through-autograd", options=(("accumulate_grads_in_graph", False),)),
     Setup("set-to-none", set_to_none=True, dropout=0.1),
