@@ -29,6 +29,9 @@ class GPTBlock(nn.Module):
         recompute: wrap the whole block in ``checkpoint()`` (full activation recompute).
         use_reentrant: which checkpoint path ``recompute`` uses.
         get_rng_tracker: returns the tracker for attention dropout (default: ours).
+        column_linear, row_linear: build the linears that a tensor-parallel block splits
+            by output (QKV, fc1) and by input (proj, fc2); ``nn.Linear`` here, the
+            parallel ones of ``examples/parallel.py`` in ``ParallelGPTBlock``.
     """
 
     def __init__(
@@ -42,38 +45,39 @@ class GPTBlock(nn.Module):
         get_rng_tracker: Callable[[], object] = rng.get_cuda_rng_tracker,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        *,
+        column_linear: Callable[..., nn.Module] = nn.Linear,
+        row_linear: Callable[..., nn.Module] = nn.Linear,
     ):
         super().__init__()
         if hidden % heads:
             raise ValueError(f"GPTBlock: hidden {hidden} is not divisible by heads {heads}.")
         kw = {"device": device, "dtype": dtype}
         self.heads = heads
+        self.head_dim = hidden // heads
         self.dropout = dropout
         self.attention_dropout = dropout if attention_dropout is None else attention_dropout
         self.recompute = recompute
         self.use_reentrant = use_reentrant
         self.get_rng_tracker = get_rng_tracker
         self.ln_attn = nn.LayerNorm(hidden, **kw)
-        self.qkv = nn.Linear(hidden, 3 * hidden, **kw)
-        self.proj = nn.Linear(hidden, hidden, **kw)
+        self.qkv = column_linear(hidden, 3 * hidden, **kw)
+        self.proj = row_linear(hidden, hidden, **kw)
         self.ln_mlp = nn.LayerNorm(hidden, **kw)
-        self.fc1 = nn.Linear(hidden, 4 * hidden, **kw)
-        self.fc2 = nn.Linear(4 * hidden, hidden, **kw)
+        self.fc1 = column_linear(hidden, 4 * hidden, **kw)
+        self.fc2 = row_linear(4 * hidden, hidden, **kw)
 
     def forward(
         self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, None]:
         if self.recompute:
-            out = checkpoint(
-                self._block,
-                hidden_states,
-                attention_mask,
-                use_reentrant=self.use_reentrant,
-                get_rng_state_tracker=self.get_rng_tracker,
-            )
+            out = checkpoint(self._block, hidden_states, attention_mask, **self._checkpoint_options())
         else:
             out = self._block(hidden_states, attention_mask)
         return out, None
+
+    def _checkpoint_options(self) -> dict:
+        return {"use_reentrant": self.use_reentrant, "get_rng_state_tracker": self.get_rng_tracker}
 
     def _block(self, x: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
         x = x + self._bias_dropout(self._attention(self.ln_attn(x), attention_mask))
@@ -83,10 +87,13 @@ class GPTBlock(nn.Module):
         return F.dropout(x, self.dropout, self.training)
 
     def _attention(self, x: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-        s, b, h = x.shape
-        head = h // self.heads
-        # [s, b, 3h] -> [b, heads, s, 3 * head] -> q, k, v
-        qkv = self.qkv(x).view(s, b, self.heads, 3 * head).permute(1, 2, 0, 3)
+        # The shapes come from the QKV output: a tensor-parallel block holds heads / TP
+        # heads, and under sequence parallelism x holds s / TP positions.
+        qkv = self.qkv(x)
+        s, b = qkv.shape[:2]
+        head = self.head_dim
+        # [s, b, heads * 3 * head] -> [b, heads, s, 3 * head] -> q, k, v
+        qkv = qkv.view(s, b, -1, 3 * head).permute(1, 2, 0, 3)
         q, k, v = qkv.split(head, dim=-1)
         p = self.attention_dropout if self.training else 0.0
         with self.get_rng_tracker().fork():
@@ -94,7 +101,7 @@ class GPTBlock(nn.Module):
                 ctx = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
             else:
                 ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask, dropout_p=p)
-        return self.proj(ctx.permute(2, 0, 1, 3).reshape(s, b, h))
+        return self.proj(ctx.permute(2, 0, 1, 3).reshape(s, b, -1))
 
 
 class GPT(nn.Module):

@@ -1,4 +1,4 @@
-"""Test setup: the ``gpu`` marker, per-worker GPU pinning under xdist, RNG reset."""
+"""Test setup: the ``gpu`` and ``multi_gpu`` markers, per-worker GPU pinning under xdist, RNG reset."""
 from __future__ import annotations
 
 import os
@@ -15,6 +15,7 @@ import rng  # noqa: E402
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
+    config.addinivalue_line("markers", "multi_gpu: spawns NCCL ranks on 2 CUDA devices (skipped with fewer)")
     if os.environ.get("PYTEST_XDIST_WORKER"):
         # xdist runs one worker per core; torch's own threads would oversubscribe them.
         torch.set_num_threads(1)
@@ -27,12 +28,14 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device; this machine has none")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device; this machine has none")
+    skip_multi_gpu = pytest.mark.skip(reason=f"needs 2 CUDA devices (NCCL ranks); this machine has {gpus}")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "gpu" in item.keywords and gpus == 0:
+            item.add_marker(skip_gpu)
+        if "multi_gpu" in item.keywords and gpus < 2:
+            item.add_marker(skip_multi_gpu)
 
 
 @pytest.fixture(autouse=True)

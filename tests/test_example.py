@@ -10,6 +10,7 @@ import torch
 
 from examples import train_gpt
 from examples.train_gpt import CharCorpus, load_corpus, main
+from tests.multi_gpu_helpers import run_train_gpt
 
 TINY = ["--layers", "2", "--hidden", "32", "--heads", "4", "--seq", "16", "--micro-batch", "4"]
 SUMMARY_KEYS = {
@@ -93,6 +94,9 @@ def test_three_step_run_writes_png_and_json(tmp_path, capsys):
     assert written["config"]["dtype"] == "float32" and written["config"]["recompute"] == "none"
     assert written["median_step_ms"] > 0 and written["tokens_per_s"] > 0
     assert written["peak_memory_bytes"] > 0 and "RSS" in written["peak_memory_kind"]
+    assert written["environment"]["torch"] == torch.__version__
+    assert len(written["environment"]["devices"]) == 1 and written["environment"]["devices"][0].startswith("CPU")
+    assert written["parallel"] == {"world_size": 1, "tensor_parallel": 1, "data_parallel": 1}
     out = capsys.readouterr().out
     assert "median step" in out and "tokens/s" in out and "peak memory" in out
 
@@ -128,6 +132,94 @@ def test_compare_on_cpu_uses_the_eager_replay_wrapper(tmp_path, capsys):
     assert summary["losses_match_bitwise"] and summary["weights_match_bitwise"]
     assert "losses matched bitwise: True" in out
     assert set(json.loads((tmp_path / "summary.json").read_text())) >= {"eager", "eager-replay", "speedup"}
+
+
+def test_progress_bar_is_quiet_when_output_is_not_a_terminal(tmp_path, capsys):
+    main(["--device", "cpu", "--out", str(tmp_path), *TINY, "--steps", "2"])  # no --progress flag
+    captured = capsys.readouterr()
+    assert "it/s" not in captured.out + captured.err and "2/2" not in captured.out + captured.err
+
+
+def _buckets(tmp_path, *extra):
+    sizes = ["--layers", "2", "--hidden", "32", "--heads", "4", "--micro-batch", "4"]
+    return ["--device", "cpu", "--no-progress", "--out", str(tmp_path), *sizes, "--seq-buckets", "8,16,24", *extra]
+
+
+def test_seq_buckets_vary_the_length_and_replay_bitwise(tmp_path):
+    """Each step one of the buckets, from the seed; the eager-replay wrapper, graphed once for
+    all buckets (more_shapes), trains bitwise like eager on the same lengths."""
+    summary = main(_buckets(tmp_path, "--steps", "8", "--compare", "--dropout", "0.1", "--recompute", "full"))
+    eager, replay = summary["eager"], summary["eager-replay"]
+    assert eager["seq_lengths"] == replay["seq_lengths"] and len(eager["seq_lengths"]) == 8
+    assert set(eager["seq_lengths"]) <= {8, 16, 24} and len(set(eager["seq_lengths"])) > 1
+    assert eager["config"]["seq"] == 24 and eager["config"]["seq_buckets"] == [8, 16, 24]
+    assert summary["losses_match_bitwise"] and summary["weights_match_bitwise"]
+    again = main(_buckets(tmp_path, "--steps", "8", "--dropout", "0.1"))
+    assert again["seq_lengths"] == eager["seq_lengths"], "the same seed picks the same lengths"
+
+
+def test_seq_buckets_are_checked(tmp_path):
+    with pytest.raises(SystemExit, match="pass either --seq or --seq-buckets, not both"):
+        main([*_buckets(tmp_path), "--seq", "16"])
+    with pytest.raises(SystemExit, match="--seq-buckets '8,8' repeats a length"):
+        main(["--device", "cpu", "--out", str(tmp_path), "--seq-buckets", "8,8"])
+    with pytest.raises(SystemExit, match="give comma-separated lengths, e.g. 64,128,256"):
+        main(["--device", "cpu", "--out", str(tmp_path), "--seq-buckets", "64;128"])
+
+
+def test_parallel_flags_are_checked():
+    def resolve(argv, world):
+        return train_gpt.resolve(train_gpt.build_parser().parse_args(["--device", "cpu", *argv]), world)
+
+    with pytest.raises(SystemExit, match="--tensor-parallel 2 needs 2 processes, one per GPU; launch with "
+                       "torchrun --nproc-per-node 2 examples/train_gpt.py --tensor-parallel 2"):
+        resolve(["--tensor-parallel", "2"], 1)
+    with pytest.raises(SystemExit, match="4 processes but --tensor-parallel 2: pass --data-parallel"):
+        resolve(["--tensor-parallel", "2"], 4)
+    with pytest.raises(SystemExit, match="--heads 4 is not divisible by --tensor-parallel 8"):
+        resolve(["--tensor-parallel", "8", "--heads", "4"], 8)
+    with pytest.raises(SystemExit, match="--distribute-saved-activations with --sequence-parallel"):
+        resolve(["--tensor-parallel", "2", "--sequence-parallel", "--distribute-saved-activations",
+                 "--recompute", "full"], 2)
+    with pytest.raises(SystemExit, match="sequence length 63 is not divisible by --tensor-parallel 2"):
+        resolve(["--tensor-parallel", "2", "--sequence-parallel", "--seq", "63"], 2)
+    config, _ = resolve(["--tensor-parallel", "2", "--data-parallel"], 4)
+    assert config.tensor_parallel == 2 and config.data_parallel
+
+
+def test_tensor_parallel_on_two_gloo_ranks_matches_one_process(tmp_path):
+    """torchrun-style launch with --tensor-parallel 2 on the CPU: eager and the eager-replay
+    wrapper agree bitwise on both ranks, and the run follows the single-process run (same
+    weights at the start; the partial sums only change the rounding)."""
+    argv = ["--device", "cpu", "--no-progress", *TINY, "--steps", "4", "--dropout", "0", "--compare"]
+    ranks = run_train_gpt([*argv, "--tensor-parallel", "2", "--out", str(tmp_path / "tp")], tmp_path)
+    for rank, summary in enumerate(ranks):
+        assert summary["losses_match_bitwise"] and summary["weights_match_bitwise"], f"rank {rank}"
+        assert summary["eager"]["parallel"] == {"world_size": 2, "tensor_parallel": 2, "data_parallel": 1}
+    assert ranks[0]["eager"]["losses"] == ranks[1]["eager"]["losses"], "TP ranks report the same loss"
+    hashes = ranks[0]["eager"]["params_sha256_per_rank"]
+    assert len(hashes) == 2 and hashes[0] != hashes[1], "each rank holds its own shards"
+    written = json.loads((tmp_path / "tp" / "summary.json").read_text())
+    assert len(written["eager"]["environment"]["devices"]) == 2
+    single = main([*argv, "--out", str(tmp_path / "one")])
+    assert ranks[0]["eager"]["losses"] == pytest.approx(single["eager"]["losses"], rel=1e-4)
+
+
+def test_data_parallel_on_two_gloo_ranks_keeps_replicas_identical(tmp_path):
+    """torchrun-style launch with --data-parallel (DDP around the eager-replay wrapper), with
+    seq buckets: each rank trains on its own batches, replicas stay bitwise identical, and
+    the wrapper trains bitwise like eager DDP."""
+    argv = ["--device", "cpu", "--no-progress", "--layers", "2", "--hidden", "32", "--heads", "4",
+            "--micro-batch", "4", "--seq-buckets", "8,16", "--steps", "4", "--data-parallel",
+            "--recompute", "full", "--compare", "--out", str(tmp_path / "dp")]
+    ranks = run_train_gpt(argv, tmp_path)
+    for rank, summary in enumerate(ranks):
+        assert summary["losses_match_bitwise"] and summary["weights_match_bitwise"], f"rank {rank}"
+        for run in ("eager", "eager-replay"):
+            hashes = summary[run]["params_sha256_per_rank"]
+            assert hashes[0] == hashes[1], f"rank {rank}, {run}: the replicas diverged"
+    assert ranks[0]["eager"]["parallel"] == {"world_size": 2, "tensor_parallel": 1, "data_parallel": 2}
+    assert (tmp_path / "dp" / "loss_curve.png").exists()
 
 
 def test_learning_rate_warms_up_then_decays_to_a_tenth():
@@ -182,6 +274,42 @@ def test_graphed_losses_equal_eager_bitwise_with_dropout_without_recompute(tmp_p
     summary = main([*GPU_TINY, "--seq", "32", "--steps", "10", "--dropout", "0.1", "--recompute", "none",
                     "--compare", "--out", str(tmp_path)])
     assert summary["losses_match_bitwise"] and summary["weights_match_bitwise"]
+
+
+@pytest.mark.gpu
+def test_graphed_losses_equal_eager_bitwise_with_the_defaults(tmp_path):
+    """Dropout 0.1 and full recompute (the GPU defaults): the recompute inside the graphs draws
+    the eager masks, so graphed training equals eager training bitwise."""
+    summary = main([*GPU_TINY, "--seq", "32", "--steps", "10", "--compare", "--out", str(tmp_path)])
+    assert summary["eager"]["config"]["recompute"] == "full" and summary["eager"]["config"]["dropout"] == 0.1
+    assert summary["losses_match_bitwise"] and summary["weights_match_bitwise"]
+
+
+@pytest.mark.gpu
+def test_graphed_seq_buckets_equal_eager_bitwise(tmp_path):
+    """Three lengths graphed in one call (more_shapes), dropout and recompute on."""
+    summary = main([*GPU_TINY, "--seq-buckets", "32,64,96", "--steps", "9", "--compare", "--out", str(tmp_path)])
+    graphed = summary["graphed"]
+    assert graphed["graphs"] is True and len(set(graphed["seq_lengths"])) > 1
+    assert graphed["seq_lengths"] == summary["eager"]["seq_lengths"]
+    assert summary["losses_match_bitwise"] and summary["weights_match_bitwise"]
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.parametrize("parallelism", [["--tensor-parallel", "2"], ["--tensor-parallel", "2", "--sequence-parallel"],
+                                         ["--data-parallel"]], ids=["tp2", "tp2-sp", "dp2"])
+def test_two_gpu_graphed_training_equals_eager_bitwise(tmp_path, parallelism):
+    """The example on 2 GPUs (NCCL), graphed with recompute and dropout: bitwise eager's."""
+    argv = [*GPU_TINY, "--seq", "32", "--steps", "6", "--compare", *parallelism, "--out", str(tmp_path / "out")]
+    ranks = run_train_gpt(argv, tmp_path)
+    for rank, summary in enumerate(ranks):
+        assert summary["graphed"]["graphs"] is True, f"rank {rank}"
+        assert summary["losses_match_bitwise"] and summary["weights_match_bitwise"], f"rank {rank}"
+    devices = ranks[0]["graphed"]["environment"]["devices"]
+    assert len(devices) == 2 and all(devices), devices
+    if "--data-parallel" in parallelism:
+        hashes = ranks[0]["graphed"]["params_sha256_per_rank"]
+        assert hashes[0] == hashes[1], "the replicas diverged"
 
 
 def test_script_puts_the_repo_root_on_sys_path():
