@@ -3,14 +3,13 @@
 1. Save what warmup and capture will touch: RNG states, module buffers; put stand-ins in
    place of the trainable parameters (``parameters``), so autograd accumulates into them
    and no hook of a real parameter runs while we prepare the graphs.
-2. Warmup, on the side stream later used for capture: ``num_warmup_iters`` passes of the
-   schedule (forwards and backwards in run order) so lazy initialisation (cuBLAS handles,
-   autotuning, allocator growth) happens outside any graph. The first pass checks for
-   that nothing but the inputs and the modules' parameters requires grad, and for unused
-   inputs; the last pass records which random streams each forward, backward and
-   checkpointed region draws from, and where (``recompute_rng``).
-3. The private recompute generators are allocated (never during capture), and the
-   allocator's cache of warmup memory is released so capture starts from a lean pool.
+2. Warmup, on the side stream later used for capture: ``num_warmup_iters`` passes over the
+   graphs (each forward followed at once by its backward, so warmup needs the memory of
+   one graph) so lazy initialisation (cuBLAS handles, autotuning) happens outside any
+   graph. The first pass checks that nothing but the inputs and the modules' parameters
+   requires grad, and for unused inputs; the last pass records which random streams each
+   forward, backward and checkpointed region draws from, and where (``recompute_rng``).
+3. The private recompute generators are allocated (never during capture).
 4. Capture, in run order, into one memory pool: each forward graph drawing from the live
    streams, then each backward graph, which runs ``torch.autograd.backward`` with input
    grads redirected and parameter grads accumulated into their persistent buffers
@@ -195,10 +194,6 @@ def capture(spec_sets: Sequence[Sequence[GraphSpec]], steps: Sequence[Step], opt
                     options.post_warmup_hook()
                 if options.eager_replay:
                     return
-                # Warmup's activations sit in the allocator's cache of the capture stream,
-                # where nothing but another warmup can use them; release them before the
-                # pool grows.
-                torch.cuda.empty_cache()
                 for shape_specs in spec_sets:
                     _capture_graphs(shape_specs, steps, options, stand_ins)
                 buffers.check_not_reassigned()
@@ -225,18 +220,20 @@ def _unique_modules(specs: Sequence[GraphSpec]) -> dict[str, torch.nn.Module]:
 def _warmup(specs, steps, options: CaptureOptions, stand_ins: StandIns, buffers: ModuleBuffers) -> None:
     record = not options.eager_replay
     device = torch.device("cuda", torch.cuda.current_device()) if record else None
+    # Each graph's forward is followed at once by its backward (as torch's own warmup does):
+    # only one graph's activations are alive at a time, so warmup leaves little in the
+    # allocator's cache and capture starts from about the memory a step needs.
+    forwards = [specs[step.flat_index] for step in steps if step.kind == "forward"]
     for iteration in range(options.num_warmup_iters):
         last = iteration == options.num_warmup_iters - 1
-        outputs: dict[int, Any] = {}
-        for step in steps:
-            spec = specs[step.flat_index]
-            if step.kind == "forward":
-                outputs[step.flat_index] = _warmup_forward(spec, stand_ins, iteration == 0, last and record, device, options.tracker)
-                buffers.check_not_reassigned()
-            elif spec.needs_backward:
-                _warmup_backward(spec, stand_ins, outputs.pop(step.flat_index), last and record, device, options.tracker)
+        for spec in forwards:
+            outputs = _warmup_forward(spec, stand_ins, iteration == 0, last and record, device, options.tracker)
+            buffers.check_not_reassigned()
+            if spec.needs_backward:
+                _warmup_backward(spec, stand_ins, outputs, last and record, device, options.tracker)
                 if iteration == 0:
                     _check_unused(spec, options.allow_unused_input)
+            del outputs
 
 
 def _warmup_forward(spec: GraphSpec, stand_ins: StandIns, first: bool, record: bool, device, tracker) -> Any:

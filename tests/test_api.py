@@ -73,15 +73,20 @@ def test_capture_time_hooks_run_while_preparing_and_never_at_replay(device, eage
         pre_warmup_hook=lambda: phases.append(("pre", len(calls))),
         post_warmup_hook=lambda: phases.append(("post", len(calls))),
     )
-    one_pass = [
-        ("fwd-pre", 0), ("fwd-pre-kw", 0), ("fwd", 0), ("fwd-pre", 1), ("fwd-pre-kw", 1), ("fwd", 1),
-        ("bwd-pre", 1), ("bwd", 1), ("bwd-pre", 0), ("bwd", 0),
-    ]
-    passes = 2 if eager_replay else 3  # warmup passes, and the capture
-    assert calls == one_pass * passes
-    assert phases == [("pre", 0), ("post", 2 * len(one_pass))], "once around the whole warmup"
+    def forward(i):
+        return [("fwd-pre", i), ("fwd-pre-kw", i), ("fwd", i)]
+
+    def backward(i):
+        return [("bwd-pre", i), ("bwd", i)]
+
+    # Warmup runs each graph's forward and backward together; capture goes in run order.
+    warmup_pass = forward(0) + backward(0) + forward(1) + backward(1)
+    capture_pass = forward(0) + forward(1) + backward(1) + backward(0)
+    expected = warmup_pass * 2 + ([] if eager_replay else capture_pass)
+    assert calls == expected
+    assert phases == [("pre", 0), ("post", 2 * len(warmup_pass))], "once around the whole warmup"
     run_layers(graphed, _sample(device)).sum().backward()
-    assert len(calls) == len(one_pass) * passes, "never replayed"
+    assert calls == expected, "never replayed"
 
 
 @pytest.mark.parametrize("device, eager_replay", MODES)
