@@ -49,6 +49,13 @@ _SHARDED = (
 )
 
 
+# A device-side assertion's message must stay under 255 characters.
+_SHARDED_ON_DEVICE = (
+    "checkpoint(distribute_saved_activations=True): the first input differs across the "
+    "tensor-parallel ranks (sequence-parallel shard?); pass distribute_saved_activations=False"
+)
+
+
 def _fingerprint(tensor: torch.Tensor) -> torch.Tensor:
     """Two exact integer sums of the tensor's bit pattern (whole and first half): equal on
     every rank when the tensors are equal, and in practice nowhere else."""
@@ -75,7 +82,7 @@ def check_replicated(tensor: torch.Tensor, group: Any) -> None:
     same = torch.stack([(mine == other).all() for other in everyone]).all()
     if tensor.is_cuda and torch.cuda.is_current_stream_capturing():
         if _assert_takes_message():
-            torch._assert_async(same, _SHARDED)
+            torch._assert_async(same, _SHARDED_ON_DEVICE)
         else:
             torch._assert_async(same)
         return

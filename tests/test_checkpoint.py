@@ -720,3 +720,12 @@ def test_outputs_and_their_graph_are_freed_without_the_garbage_collector(use_ree
     finally:
         if enabled:
             gc.enable()
+
+
+def test_device_side_message_fits_cudas_limit():
+    """Inside a capture the sharded-input check is a device-side assertion, whose message
+    torch limits to 254 characters (a longer one fails the capture itself)."""
+    from checkpointing.distribute import _SHARDED_ON_DEVICE
+
+    assert len(_SHARDED_ON_DEVICE) < 255
+    assert _SHARDED_ON_DEVICE.startswith("checkpoint(distribute_saved_activations=True): the first input differs")
