@@ -18,6 +18,7 @@ from . import checks
 from .capture import CaptureOptions, GraphSpec, capture, make_spec
 from .hooks import normalise_capture_time_hooks
 from .replay import (
+    LIVE_CALLABLES,
     Clock,
     EagerRunner,
     GraphedCallable,
@@ -286,8 +287,17 @@ def make_graphed_callables(
 def reset(*graphed: Any) -> None:
     """Free the graphs and static buffers of graphed callables or modules (any mix, or
     tuples of them, as ``make_graphed_callables`` returned them): everything one call made,
-    when given all it returned. Their pool memory goes back once no graph uses it; later
-    calls of them raise."""
+    when given all it returned. With no argument, every graphed callable of the process.
+    Their pool memory goes back once no graph uses it; later calls of them raise.
+
+    Call it before ``torch.distributed.destroy_process_group()``: destroying a process
+    group while graphs that captured its NCCL collectives are alive hangs both ranks
+    (measured on 2 H200s, torch 2.11, NCCL 2.28).
+    """
+    if not graphed:
+        for callable_ in list(LIVE_CALLABLES):
+            callable_.reset()
+        return
     for obj in graphed:
         if isinstance(obj, (tuple, list)):
             reset(*obj)

@@ -18,6 +18,7 @@ graphs: a debugging mirror ("is it the graph or my model?") that also runs on CP
 from __future__ import annotations
 
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -295,6 +296,11 @@ def _forward_only_error(runner: GraphRunner) -> ValueError:
     )
 
 
+# Every graphed callable alive in the process, for ``te_graph.reset()`` with no argument
+# (teardown before ``destroy_process_group``). Weak: it keeps nothing alive.
+LIVE_CALLABLES: "weakref.WeakSet[GraphedCallable]" = weakref.WeakSet()
+
+
 class GraphedCallable:
     """What make_graphed_callables returns for one callable: call it like the original.
 
@@ -317,6 +323,7 @@ class GraphedCallable:
         self._reset = False
         self.pool = pool
         self.__name__ = spec.name
+        LIVE_CALLABLES.add(self)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._module is not None and self._module.training != self._training:

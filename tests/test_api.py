@@ -257,3 +257,12 @@ def test_several_shapes_with_layers_of_different_widths_and_constants():
             "take the same keywords and the same constant values")):
         make_graphed_callables(tuple(clone_modules(reference)), samples(6), sample_kwargs=kwargs,
                                more_shapes=[Samples(samples(3), ({"scale": 3.0}, {"scale": 3.0}))], eager_replay=True)
+
+
+def test_reset_without_arguments_frees_every_graphed_callable():
+    first = make_graphed_callables(tuple(make_blocks(n=1, device="cpu")), ((_sample("cpu"),),), eager_replay=True)
+    second = make_graphed_callables(_Widen(4, 4), (torch.randn(3, 4, requires_grad=True),), eager_replay=True)
+    te_graph.reset()
+    for graphed, x in ((first[0], _sample("cpu")), (second, torch.randn(3, 4))):
+        with pytest.raises(RuntimeError, match=re.escape("this graphed callable was reset()")):
+            graphed(x)
