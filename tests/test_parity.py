@@ -82,6 +82,7 @@ class Setup:
     hooks_first: bool = False  # register the hooks before graphing (else after)
     set_to_none: bool = False  # zero_grad(set_to_none=True)
     seq_lengths: tuple = (SEQ,)  # several: graphed for each (more_shapes), steps cycle
+    new_stream_objects: bool = False  # reseed a duck tracker the Megatron way (new objects)
     options: tuple = ()  # extra make_graphed_callables keyword arguments, as pairs
     gpu_only: bool = False
 
@@ -100,6 +101,7 @@ SETUPS = [
     Setup("recompute-stack-bf16", dropout=0.1, recompute="reentrant", stack=True, dtype=torch.bfloat16),
     Setup("recompute-bf16-non-reentrant", dropout=0.1, recompute="non-reentrant", dtype=torch.bfloat16),
     Setup("recompute-duck-tracker", dropout=0.1, recompute="reentrant", tracker="duck"),
+    Setup("duck-tracker-reseeded-with-new-objects", dropout=0.1, recompute="reentrant", tracker="duck", new_stream_objects=True),
     Setup("input-without-grad", dropout=0.1, input_grad=False),
     Setup("input-without-grad-recompute", dropout=0.1, recompute="non-reentrant", input_grad=False),
     Setup("eval-mode-with-grad", dropout=0.1, eval=True),
@@ -143,8 +145,10 @@ def _tracker(setup: Setup, device: str):
 _DUCKS: dict[str, DuckTracker] = {}
 
 
-def _seed(setup: Setup, device: str, seed: int) -> None:
+def _seed(setup: Setup, device: str, seed: int, new_objects: bool = False) -> None:
     tracker = _tracker(setup, device)
+    if new_objects:  # Megatron's own seeding: reset() and add() make new generators
+        tracker.reset()
     rng.model_parallel_cuda_manual_seed(seed, tracker=tracker)
     if setup.tracker != "ours":
         rng.model_parallel_cuda_manual_seed(seed)  # our tracker too (the default generator)
@@ -233,7 +237,7 @@ def train(setup: Setup, mode: str, device: str, steps: int = 3, micro: int = 2) 
         keep = _install_hooks(setup, params, trace)
     opt = torch.optim.SGD(params, lr=0.1)
     data = torch.Generator().manual_seed(7)
-    _seed(setup, device, 77)  # both runs draw the same dropout streams from here on
+    _seed(setup, device, 77, setup.new_stream_objects)  # both runs draw the same streams from here
     for step in range(steps):
         opt.zero_grad(set_to_none=setup.set_to_none)
         seq = setup.seq_lengths[step % len(setup.seq_lengths)]
