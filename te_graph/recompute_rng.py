@@ -34,7 +34,7 @@ import torch
 
 import rng
 
-__all__ = ["ForwardDraws", "BackwardDraws", "RegionDraws", "RecomputeRNG"]
+__all__ = ["ForwardDraws", "BackwardDraws", "RegionDraws", "RecomputeRNG", "TrackerSync"]
 
 
 def _offsets(streams: Mapping[str, torch.Generator]) -> dict[str, int]:

@@ -11,7 +11,6 @@ import os
 import re
 import socket
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp

@@ -5,7 +5,6 @@ masks are compared with the eager run's (graphs on = graphs off); tests/test_par
 proves the same for whole training runs."""
 from __future__ import annotations
 
-import contextlib
 
 import pytest
 import torch
