@@ -64,9 +64,7 @@ def check_callables(modules: Any) -> tuple[Callable, ...]:
         seen[id(c)] = index
         graphed = graphed_callable_of(c)
         if graphed is None and isinstance(c, torch.nn.Module):
-            graphed = next(
-                (graphed_callable_of(m) for m in c.modules() if graphed_callable_of(m) is not None), None
-            )
+            graphed = next(filter(None, map(graphed_callable_of, c.modules())), None)
         if graphed is not None:
             raise ValueError(
                 f"make_graphed_callables: callable {index} ({type(c).__name__}) is already graphed, "

@@ -22,7 +22,8 @@ class ModuleBuffers:
     """The buffers of ``modules``, saved so warmup and capture leave no trace in them."""
 
     def __init__(self, modules: Iterable[torch.nn.Module], names: Iterable[str]):
-        self._slots: list[tuple[str, torch.nn.Module, str, torch.Tensor]] = []
+        # (callable's name, owning module, buffer name there, qualified name, buffer)
+        self._slots: list[tuple[str, torch.nn.Module, str, str, torch.Tensor]] = []
         seen: set[int] = set()
         for module, where in zip(modules, names):
             for prefix, sub in module.named_modules():
@@ -31,13 +32,13 @@ class ModuleBuffers:
                 seen.add(id(sub))
                 for name, buffer in sub._buffers.items():
                     if buffer is not None:
-                        self._slots.append((where, sub, name if not prefix else f"{prefix}.{name}", buffer))
+                        qualified = f"{prefix}.{name}" if prefix else name
+                        self._slots.append((where, sub, name, qualified, buffer))
         self._saved = [b.detach().clone() for *_, b in self._slots]
 
     def check_not_reassigned(self) -> None:
         """Raise if a forward replaced a buffer instead of updating it in place."""
-        for where, module, qualified, buffer in self._slots:
-            name = qualified.rsplit(".", 1)[-1]
+        for where, module, name, qualified, buffer in self._slots:
             if module._buffers.get(name) is not buffer:
                 raise ValueError(
                     f"make_graphed_callables: the forward of {where} reassigns its buffer "
@@ -49,6 +50,6 @@ class ModuleBuffers:
     def restore(self) -> None:
         """Put every buffer object back in its module and copy its saved value into it."""
         with torch.no_grad():
-            for (where, module, qualified, buffer), saved in zip(self._slots, self._saved):
-                module._buffers[qualified.rsplit(".", 1)[-1]] = buffer
+            for (_, module, name, _, buffer), saved in zip(self._slots, self._saved):
+                module._buffers[name] = buffer
                 buffer.copy_(saved)

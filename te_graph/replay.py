@@ -88,14 +88,7 @@ class GraphRunner:
     """Replays a captured forward/backward graph pair on its static buffers."""
 
     def __init__(self, spec: GraphSpec, options: ReplayOptions, clock: Optional[Clock] = None, variant: int = 0):
-        self.name = spec.name
-        self.variant = variant
-        self.layout = spec.layout
-        self.output = spec.output
-        self.shape = tuple(t.shape for t in spec.layout.samples)
-        self.differentiable = spec.needs_backward
-        self.params = spec.params
-        self.static_inputs = spec.static_inputs
+        self._bind(spec, clock, variant)
         self.static_outputs = spec.output.tensors
         self.non_differentiable = tuple(i for i, o in enumerate(self.static_outputs) if not o.requires_grad)
         self.static_grad_outputs = spec.static_grad_outputs
@@ -106,9 +99,20 @@ class GraphRunner:
         self.sync_forward = spec.sync_forward
         self.sync_backward = spec.sync_backward
         self.param_grads = spec.param_grads
-        self.retains_graph = spec.retain_graph
         self.always_autograd = options.always_autograd
         self.clone_param_grads = options.clone_param_grads
+
+    def _bind(self, spec: GraphSpec, clock: Optional[Clock], variant: int) -> None:
+        """What every runner, graphed or eager, takes from its spec."""
+        self.name = spec.name
+        self.variant = variant
+        self.layout = spec.layout
+        self.output = spec.output
+        self.shape = tuple(t.shape for t in spec.layout.samples)
+        self.differentiable = spec.needs_backward
+        self.params = spec.params
+        self.static_inputs = spec.static_inputs
+        self.retains_graph = spec.retain_graph
         # A leaf requiring grad passed to the autograd node on the in-graph path, so the node
         # exists (and its backward replays, accumulating the parameters' grads) even when no
         # input requires grad.
@@ -211,22 +215,10 @@ class EagerRunner(GraphRunner):
     """Same wrapper, no graphs: runs the callable on the static buffers at every call."""
 
     def __init__(self, spec: GraphSpec, options: ReplayOptions, clock: Optional[Clock] = None, variant: int = 0):
+        self._bind(spec, clock, variant)
         self.spec = spec
-        self.variant = variant
-        self.name = spec.name
-        self.layout = spec.layout
-        self.output = spec.output
-        self.shape = tuple(t.shape for t in spec.layout.samples)
-        self.differentiable = spec.needs_backward
-        self.params = spec.params
-        self.static_inputs = spec.static_inputs
         self.non_differentiable = ()
-        self.retains_graph = spec.retain_graph
         self.always_autograd = False
-        device = spec.static_inputs[0].device if spec.static_inputs else None
-        self.anchor = (torch.empty(0, device=device, requires_grad=True),) if self.params else ()
-        self.clock = clock
-        self.generation = 0
 
     def through_autograd(self) -> bool:
         return False  # the real module runs: its parameters' hooks see autograd as usual
