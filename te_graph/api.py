@@ -250,6 +250,7 @@ def make_graphed_callables(
             num_warmup_iters=num_warmup_iters,
             allow_unused_input=allow_unused_input,
             reuse_buffers=options["reuse_graph_input_output_buffers"] and not eager_replay,
+            chain_grads=order is None,
             pool=pool,
             tracker=tracker,
             eager_replay=eager_replay,

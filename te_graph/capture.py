@@ -9,12 +9,18 @@
    graph. The first pass checks that nothing but the inputs and the modules' parameters
    requires grad, and for unused inputs; the last pass records which random streams each
    forward, backward and checkpointed region draws from, and where (``recompute_rng``).
-3. The private recompute generators are allocated (never during capture).
-4. Capture, in run order, into one memory pool: each forward graph drawing from the live
+3. The allocator's cache is emptied: what warmup cached on the side stream would
+   otherwise stay reserved for the life of the process, beside the pool capture fills.
+4. The persistent parameter-gradient buffers are allocated on the caller's stream, like
+   eager ``.grad``s, and the private recompute generators (never during capture).
+5. Capture, in run order, into one memory pool: each forward graph drawing from the live
    streams, then each backward graph, which runs ``torch.autograd.backward`` with input
    grads redirected and parameter grads accumulated into their persistent buffers
-   (``grads``), its recompute drawing from the private generators.
-5. ``finally``: parameters, buffers, RNG states, ``.grad``s and the garbage collector are
+   (``grads``), its recompute drawing from the private generators. Without an order, a
+   layer's backward reads its output grad straight from the input-grad buffer of the next
+   layer's backward (``grad_output_chain``), so a stack's backward copies nothing between
+   layers.
+6. ``finally``: parameters, buffers, RNG states, ``.grad``s and the garbage collector are
    put back, so a failed capture leaves the process and the model as they were and a
    successful one shifts no user state.
 """
@@ -63,6 +69,7 @@ class GraphSpec:
     static_grad_outputs: tuple = ()
     static_grad_inputs: tuple = ()
     param_grads: ParamGrads | None = None
+    lends_grad_buffer: bool = False  # its input-grad buffer is the previous graph's grad output
     rng: RecomputeRNG | None = None
     sync_forward: TrackerSync | None = None  # duck-typed trackers: keep graphs in step
     sync_backward: TrackerSync | None = None
@@ -158,6 +165,7 @@ class CaptureOptions:
     tracker: Any
     eager_replay: bool
     capture_error_mode: str = "thread_local"
+    chain_grads: bool = False  # plain schedule: layer i reads layer i+1's input-grad buffer
     pre_warmup_hook: Optional[Callable[[], None]] = None
     post_warmup_hook: Optional[Callable[[], None]] = None
 
@@ -176,10 +184,11 @@ def capture(spec_sets: Sequence[Sequence[GraphSpec]], steps: Sequence[Step], opt
     snapshot = rng.snapshot_streams(options.tracker)
     gc_enabled = gc.isenabled()
     stream = None
+    home_stream = None if options.eager_replay else torch.cuda.current_stream()
     try:
         if not options.eager_replay:
             stream = capture_stream()
-            stream.wait_stream(torch.cuda.current_stream())
+            stream.wait_stream(home_stream)
         # A collection during capture could free a graph or tensor another capture uses,
         # so the collector is off until the end. No full collection first: it walks every
         # object of the process (64 ms of a 106 ms capture in a benchmark process), and
@@ -195,8 +204,13 @@ def capture(spec_sets: Sequence[Sequence[GraphSpec]], steps: Sequence[Step], opt
                     options.post_warmup_hook()
                 if options.eager_replay:
                     return
+                # Warmup's activations, cached on the side stream, would otherwise stay
+                # reserved beside the pool for the life of the process (torch's own
+                # capture empties the cache too).
+                torch.cuda.empty_cache()
+                _allocate_grad_buffers(specs, home_stream, stream)
                 for shape_specs in spec_sets:
-                    _capture_graphs(shape_specs, steps, options, stand_ins)
+                    _capture_graphs(shape_specs, steps, options, stand_ins, home_stream)
                 buffers.check_not_reassigned()
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
@@ -205,6 +219,17 @@ def capture(spec_sets: Sequence[Sequence[GraphSpec]], steps: Sequence[Step], opt
             gc.enable()
         rng.restore_streams(options.tracker, snapshot)
         buffers.restore()
+
+
+def _allocate_grad_buffers(specs: Sequence[GraphSpec], home_stream, side_stream) -> None:
+    """The persistent parameter-gradient buffers, on the caller's stream: replays run there
+    and eager code keeps its ``.grad``s there, so the side stream holds only transient
+    memory (and after warmup, so that warmup does not carry them as well)."""
+    with torch.cuda.stream(home_stream):
+        for spec in specs:
+            if spec.needs_backward:
+                spec.param_grads = ParamGrads(spec.params)
+    side_stream.wait_stream(home_stream)
 
 
 def _unique_modules(specs: Sequence[GraphSpec]) -> dict[str, torch.nn.Module]:
@@ -255,7 +280,7 @@ def _warmup_forward(spec: GraphSpec, stand_ins: StandIns, first: bool, record: b
         draws.close()
         spec.draws = (draws, None)
     if spec.output is None:
-        spec.output = OutputLayout(spec.name, outputs)  # the capture replaces it
+        spec.output = OutputLayout(spec.name, outputs).forget_memory()  # capture replaces it
     return outputs
 
 
@@ -295,7 +320,7 @@ def _check_unused(spec: GraphSpec, allow_unused_input: bool) -> None:
 
 
 # -- capture --------------------------------------------------------------------------------
-def _capture_graphs(specs, steps, options: CaptureOptions, stand_ins: StandIns) -> None:
+def _capture_graphs(specs, steps, options: CaptureOptions, stand_ins: StandIns, home_stream) -> None:
     device = torch.device("cuda", torch.cuda.current_device())
     for spec in specs:
         forward, backward = spec.draws
@@ -315,9 +340,41 @@ def _capture_graphs(specs, steps, options: CaptureOptions, stand_ins: StandIns) 
                 spec.take_buffers_of(specs[donor])
             _capture_forward(spec, mempool, options.capture_error_mode)
         elif spec.needs_backward:
+            if not spec.static_grad_outputs:  # else taken over from a buffer donor
+                following = specs[step.flat_index + 1] if step.flat_index + 1 < len(specs) else None
+                chained = grad_output_chain(spec, following) if options.chain_grads else None
+                if chained:
+                    following.lends_grad_buffer = True
+                with torch.cuda.stream(home_stream):
+                    spec.static_grad_outputs = chained or tuple(
+                        torch.empty_like(o) if o.requires_grad else None for o in spec.output.tensors
+                    )
             _capture_backward(spec, mempool, options.capture_error_mode, stand_ins)
             if step.flat_index in passed_on:
                 spec.release_pool_buffers()
+
+
+def grad_output_chain(spec: GraphSpec, following: Optional[GraphSpec]) -> Optional[tuple]:
+    """``spec``'s static grad outputs as the input-grad buffer of ``following``'s backward,
+    or None where that is not a plain hand-over.
+
+    In a stack, layer i's output is layer i+1's input, and the gradient autograd hands layer
+    i's backward is the one layer i+1's backward just wrote: reading it where it lies saves
+    a copy and a buffer per layer. It needs one differentiable output meeting one input
+    that takes a grad, with the same layout, and ``following``'s backward captured first
+    (the plain schedule). Replay keeps it exact: the buffer is handed on uncopied only to
+    this graph (``GraphRunner``), and any other grad is copied in, as into a buffer of its own.
+    """
+    if following is None or not following.needs_backward or following.bwd_graph is None:
+        return None
+    outputs = [o for o in spec.output.tensors if o.requires_grad]
+    takers = [g for t, g in zip(following.static_inputs, following.static_grad_inputs) if t.requires_grad]
+    if len(outputs) != 1 or len(takers) != 1 or takers[0] is None:
+        return None
+    out, grad = outputs[0], takers[0]
+    if (grad.shape, grad.stride(), grad.dtype, grad.device) != (out.shape, out.stride(), out.dtype, out.device):
+        return None
+    return tuple(grad if o is out else None for o in spec.output.tensors)
 
 
 def _register_generators(graph: Any, generators: Sequence[torch.Generator]) -> None:
@@ -370,14 +427,8 @@ def _capture_forward(spec: GraphSpec, mempool: Any, mode: str) -> None:
 
 
 def _capture_backward(spec: GraphSpec, mempool: Any, mode: str, stand_ins: StandIns) -> None:
-    outputs = spec.output.tensors
-    if not spec.static_grad_outputs:  # else taken over from a buffer donor
-        spec.static_grad_outputs = tuple(
-            torch.empty_like(o) if o.requires_grad else None for o in outputs
-        )
-    differentiable = [o for o in outputs if o.requires_grad]
+    differentiable = [o for o in spec.output.tensors if o.requires_grad]
     grads = [g for g in spec.static_grad_outputs if g is not None]
-    spec.param_grads = ParamGrads(spec.params)
     stand = stand_ins(spec.params)
     graph = torch.cuda.CUDAGraph()
     if spec.hooks is not None:

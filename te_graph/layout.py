@@ -181,6 +181,17 @@ class OutputLayout:
         self.flat_tuple = isinstance(outputs, tuple) and self.spec == pytree.tree_flatten(tuple(leaves))[1]
         self.tensors: tuple[torch.Tensor, ...] = tuple(leaves[i] for i in self.tensor_slots)
 
+    def forget_memory(self) -> "OutputLayout":
+        """Keep each output tensor's layout (shape, strides, dtype, requires_grad), not its
+        memory: meta tensors in their place. Warmup's layout is kept until capture replaces
+        it, and real tensors would pin their allocator segments past ``empty_cache()``."""
+        def meta(t: torch.Tensor) -> torch.Tensor:
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta").requires_grad_(t.requires_grad)
+
+        self.leaves = [meta(x) if isinstance(x, torch.Tensor) else x for x in self.leaves]
+        self.tensors = tuple(self.leaves[i] for i in self.tensor_slots)
+        return self
+
     def tensors_of(self, outputs: Any) -> tuple[torch.Tensor, ...]:
         """The tensors of a later call's return value (same structure as at capture)."""
         leaves, spec = pytree.tree_flatten(outputs)

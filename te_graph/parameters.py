@@ -22,7 +22,6 @@ import contextlib
 from typing import Iterable, Iterator, Sequence
 
 import torch
-import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
 from .layout import describe
@@ -70,6 +69,19 @@ class StandIns:
                 module._parameters[name] = p
 
 
+def _tensors(value: object) -> Iterator[torch.Tensor]:
+    """The tensors in a torch function's arguments: nested tuples, lists and dicts (what
+    torch functions take), without pytree's generality, which costs on every op."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+
+
 class ForeignLeaves(TorchFunctionMode):
     """Records the leaves requiring grad that torch functions receive, other than ``allowed``."""
 
@@ -80,8 +92,8 @@ class ForeignLeaves(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        for leaf in pytree.tree_leaves((args, kwargs)):
-            if isinstance(leaf, torch.Tensor) and leaf.requires_grad and leaf.is_leaf:
+        for leaf in _tensors((args, kwargs)):
+            if leaf.requires_grad and leaf.is_leaf:
                 # A view made with grad off (weight.t() inside an autograd Function's
                 # forward) is a leaf too: judge it by the tensor it views.
                 base = leaf

@@ -73,15 +73,9 @@ class Invocation:
         self.generation = generation
         self.tick = tick
         self.record = record  # live streams' (seed, offset) at this forward replay
-        self.copy_grads = copy_grads  # inputs whose grad autograd would keep as a .grad
+        self.copy_grads = copy_grads  # per input: hand its grad on as a copy (_grad_copied)
         self.through_autograd = through_autograd
         self.outputs = outputs  # eager replay only: the live outputs to backprop through
-
-
-def _keeps_grad(t: torch.Tensor) -> bool:
-    # A leaf's AccumulateGrad (or retain_grad) keeps the grad tensor it is handed; our
-    # static grad buffer must not become a .grad that the next replay overwrites.
-    return t.requires_grad and (t.is_leaf or t.retains_grad)
 
 
 class GraphRunner:
@@ -99,6 +93,7 @@ class GraphRunner:
         self.sync_forward = spec.sync_forward
         self.sync_backward = spec.sync_backward
         self.param_grads = spec.param_grads
+        self.lends_grad_buffer = spec.lends_grad_buffer
         self.always_autograd = options.always_autograd
         self.clone_param_grads = options.clone_param_grads
 
@@ -125,15 +120,35 @@ class GraphRunner:
         """Whether this call's parameter grads must go through autograd (see ``grads``)."""
         return self.always_autograd or ddp_forward_active() or self.param_grads.observed()
 
-    def _copy_inputs(self, inputs: tuple[torch.Tensor, ...]) -> tuple:
+    def _copy_inputs(self, inputs: tuple[torch.Tensor, ...]) -> None:
         for static, t in zip(self.static_inputs, inputs):
             if t.data_ptr() != static.data_ptr():
                 static.copy_(t)
         self.generation += 1
-        return tuple(map(_keeps_grad, inputs))
+
+    def _grad_copied(self, t: torch.Tensor, buffer: Optional[torch.Tensor]) -> bool:
+        """Whether the grad of input ``t`` leaves the backward as a copy of its static buffer.
+
+        Uncopied, graph memory reaches whatever autograd does with the grad: a leaf's
+        AccumulateGrad keeps it as ``.grad`` (also through view ops: ``leaf.view(...)``
+        hands it a view), and the next replay would overwrite that ``.grad``. So the buffer
+        goes on uncopied only to the backward of the graph whose output ``t`` is, which
+        copies it into its own buffer before anything else runs, or, when this buffer is
+        that graph's own grad-output buffer (``lends_grad_buffer``), reads it in place;
+        a buffer lent to one graph goes uncopied to that graph alone.
+        """
+        if buffer is None or not t.requires_grad:
+            return False
+        if t.is_leaf or t.retains_grad:
+            return True
+        node = t.grad_fn
+        if type(node) is not _ReplayBackward or type(node.runner) is not GraphRunner:
+            return True
+        return self.lends_grad_buffer and all(g is not buffer for g in node.runner.static_grad_outputs)
 
     def forward(self, inputs: tuple[torch.Tensor, ...], through_autograd: bool, with_backward: bool = True) -> tuple[Invocation, tuple]:
-        copy_grads = self._copy_inputs(inputs)
+        self._copy_inputs(inputs)
+        copy_grads = tuple(map(self._grad_copied, inputs, self.static_grad_inputs)) if with_backward else ()
         moved = self.sync_forward.before_replay(self.name) if self.sync_forward is not None else None
         record = self.rng.record() if self.rng is not None and with_backward else ()
         tick = self.clock.forward(self.variant, self.shape) if self.clock is not None else 0
@@ -225,12 +240,13 @@ class EagerRunner(GraphRunner):
 
     def forward(self, inputs, through_autograd, with_backward=True):
         spec = self.spec
-        copy_grads = self._copy_inputs(inputs)
+        self._copy_inputs(inputs)
         tick = self.clock.forward(self.variant, self.shape) if self.clock is not None else 0
         args, kwargs = spec.layout.unflatten(self.static_inputs)
         with torch.enable_grad() if spec.needs_backward and with_backward else torch.no_grad():
             outputs = spec.output.tensors_of(spec.call(*args, **kwargs))
-        invocation = Invocation(self.generation, tick, (), copy_grads, False, outputs)
+        # Its grads are the live backward's own tensors, never graph memory: nothing to copy.
+        invocation = Invocation(self.generation, tick, (), (), False, outputs)
         return invocation, tuple(o.detach() for o in outputs)
 
     def backward(self, invocation, grads):
@@ -271,6 +287,8 @@ class _Replay(torch.autograd.Function):
             raise RuntimeError(_DOUBLE_BACKWARD.format(name=ctx.runner.name))
         return (None, None) + ctx.runner.backward(ctx.invocation, grads)
 
+
+_ReplayBackward = _Replay._backward_cls  # the autograd node class of every graphed call
 
 # Function.apply's Python wrapper unwraps functorch wrappers on every call (microseconds
 # per layer); with no functorch transform active the C implementation is called directly.

@@ -62,13 +62,28 @@ class ContainerBlock(nn.Module):
         return out["main"] + out["side"], None
 
 
+class SingleUseBlock(nn.Module):
+    """Uses its input once. Where a layer's input also feeds other ops, autograd sums that
+    input's grad from every use in eager code but from the graph's one summed grad when
+    graphed: equal up to rounding only (see capture-and-replay.md). Flows that fan a
+    layer's output out use this layer, so their sums have two terms and stay exact."""
+
+    def __init__(self, device, dtype, dropout):
+        super().__init__()
+        self.lin = nn.Linear(HIDDEN, HIDDEN, device=device, dtype=dtype)
+        self.p = dropout
+
+    def forward(self, x, attention_mask=None):
+        return nn.functional.dropout(torch.tanh(self.lin(x)), self.p, self.training), None
+
+
 # -- the setups ---------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Setup:
     """One training setup; every field has the plain default."""
 
     id: str
-    layer: str = "gpt"  # "gpt", "buffers", "containers"
+    layer: str = "gpt"  # "gpt", "buffers", "containers", "single-use"
     blocks: int = 3
     dropout: float = 0.0
     recompute: str = "none"  # "none", "reentrant", "non-reentrant"
@@ -83,6 +98,7 @@ class Setup:
     seq_lengths: tuple = (SEQ,)  # several: graphed for each (more_shapes), steps cycle
     new_stream_objects: bool = False  # reseed a duck tracker the Megatron way (new objects)
     options: tuple = ()  # extra make_graphed_callables keyword arguments, as pairs
+    flow: str = "chain"  # how activations go from layer to layer: see _run_layers
     gpu_only: bool = False
 
     def __str__(self) -> str:
@@ -117,6 +133,13 @@ SETUPS = [
     Setup("retain-graph-option", dropout=0.1, recompute="reentrant", options=(("retain_graph_in_backward", True),)),
     Setup("seq-buckets", dropout=0.1, recompute="reentrant", seq_lengths=(16, 8, 4)),
     Setup("seq-buckets-stack", dropout=0.1, recompute="non-reentrant", stack=True, seq_lengths=(8, 16)),
+    # Where input grads go between graphs (a grad buffer handed on uncopied must reach only
+    # a graph's backward; a layer reads the next layer's buffer in place only when fed by it).
+    Setup("leaf-view-input-accumulates", dropout=0.1, flow="leaf-view"),
+    Setup("op-between-layers", dropout=0.1, flow="op-between"),
+    Setup("branches", layer="single-use", dropout=0.1, flow="branches"),
+    Setup("fan-out", layer="single-use", dropout=0.1, flow="fan-out"),
+    Setup("skip-connection-outside", layer="single-use", flow="skip"),
 ]
 
 
@@ -167,6 +190,8 @@ def _build(setup: Setup, device: str) -> list[nn.Module]:
             ))
         elif setup.layer == "buffers":
             blocks.append(BufferedBlock(device, setup.dtype))
+        elif setup.layer == "single-use":
+            blocks.append(SingleUseBlock(device, setup.dtype, setup.dropout))
         else:
             blocks.append(ContainerBlock(device, setup.dtype))
     for block in blocks:
@@ -222,6 +247,34 @@ def _install_hooks(setup: Setup, params: list, trace: Trace) -> list:
     return keep
 
 
+def _first(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _run_layers(flow: str, layers: list, x: torch.Tensor) -> torch.Tensor:
+    """The forward of one microbatch. Forwards always run in the graphed order (the pool's
+    rule); what differs is which output feeds which layer."""
+    if flow in ("chain", "leaf-view"):
+        y = x
+        for layer in layers:
+            y = _first(layer(y))
+        return y
+    if flow == "op-between":  # a non-graphed op between layers: their grads get copied
+        y = _first(layers[0](x))
+        for layer in layers[1:]:
+            y = _first(layer(y * 0.5))
+        return y
+    a, b, c = layers
+    h = _first(a(x))
+    if flow == "branches":  # c takes a's output, not b's: b's backward runs between
+        side = _first(b(x * 0.5))
+        return side + _first(c(h))
+    if flow == "fan-out":  # two layers take a's output
+        return _first(b(h)) + _first(c(h))
+    assert flow == "skip", flow  # a's output kept by the caller past later layers
+    return _first(c(_first(b(h)))) + h
+
+
 def train(setup: Setup, mode: str, device: str, steps: int = 3, micro: int = 2) -> Trace:
     """Train ``setup`` in ``mode`` ("eager", "eager_replay" or "graphs"); return its trace."""
     trace = Trace()
@@ -240,13 +293,16 @@ def train(setup: Setup, mode: str, device: str, steps: int = 3, micro: int = 2) 
     for step in range(steps):
         opt.zero_grad(set_to_none=setup.set_to_none)
         seq = setup.seq_lengths[step % len(setup.seq_lengths)]
+        # "leaf-view": one leaf per step, fed as a view, its grad accumulating over the
+        # microbatches (autograd keeps a view's grad as the leaf's .grad as it is).
+        shared = torch.randn(seq, BATCH, HIDDEN, generator=data).to(device, setup.dtype).requires_grad_()
         for _ in range(micro):
-            x = torch.randn(seq, BATCH, HIDDEN, generator=data).to(device, setup.dtype)
-            x.requires_grad_(setup.input_grad)
-            y = x
-            for layer in layers:
-                out = layer(y)
-                y = out[0] if isinstance(out, tuple) else out
+            if setup.flow == "leaf-view":
+                x, first = shared, shared.view_as(shared)
+            else:
+                x = first = torch.randn(seq, BATCH, HIDDEN, generator=data).to(device, setup.dtype)
+                x.requires_grad_(setup.input_grad)
+            y = _run_layers(setup.flow, layers, first)
             weighted_loss(y).backward()
             trace.outputs.append(y.detach().clone())
             if setup.input_grad:
