@@ -17,6 +17,11 @@ attention probabilities) and measures, one variant after the other in the same p
 * ``te_graph 3 buckets``  the stack graphed for s, s/2 and s/4 in one call
                           (``more_shapes=``, issue 14), the steps cycling through them;
 * ``torch graphed``       ``torch.cuda.make_graphed_callables(tuple(blocks), sample_args)``;
+* ``whole-step graph``    the eager step (grad zeroing, forward, loss, backward) captured as
+                          one CUDA graph, replayed after copying the input in: no launch or
+                          Python cost at all, only the kernels and the gaps between dependent
+                          kernels (which the kernel floor leaves out). A reference for the
+                          least any graphing of the step can take, not a training method;
 * ``kernel floor``        the GPU time of one eager step (``torch.profiler``: the sum of
                           every device event's time, averaged over a few steps);
 * ``forward kernels``     the GPU time of one forward of the stack as in training (grad
@@ -78,6 +83,7 @@ from _targets import (  # noqa: E402
     FORWARD_KERNELS,
     KERNEL_FLOOR,
     STEP_TARGETS,
+    WHOLE_STEP_GRAPH,
     TE_GRAPH,
     TE_GRAPH_BUCKETS,
     TE_GRAPH_RECOMPUTE,
@@ -98,7 +104,7 @@ CONFIGS = {
 # The table's order. Each row starts from a clean allocator (cuBLAS workspaces included),
 # so the order of the timed rows does not change their numbers; profiled rows run last.
 VARIANTS = (EAGER, EAGER_RECOMPUTE, EAGER_BUCKETS, TE_GRAPH, TE_GRAPH_RECOMPUTE,
-            TE_GRAPH_BUCKETS, TORCH_GRAPHED, KERNEL_FLOOR, FORWARD_KERNELS)
+            TE_GRAPH_BUCKETS, TORCH_GRAPHED, WHOLE_STEP_GRAPH, KERNEL_FLOOR, FORWARD_KERNELS)
 DROPOUT = 0.1
 SEED = 1234
 DEVICE = "cuda"  # a module constant so a CPU dry run of the plumbing can change it
@@ -204,6 +210,37 @@ def _torch_graphed(cfg: tuple) -> Built:
     return Built(make_train_step(graphed, _params(blocks)), keep=(blocks, graphed), capture_s=seconds)
 
 
+def _whole_step_graph(cfg: tuple) -> Built:
+    _, hidden, seq, batch = cfg
+    blocks = build_blocks(cfg)
+    step = make_train_step(blocks, _params(blocks))
+    static_x = torch.zeros(seq, batch, hidden, device=DEVICE, dtype=torch.bfloat16)
+    graph = torch.cuda.CUDAGraph()
+
+    def capture() -> None:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):  # lazy init; afterwards the grads exist, zeroed in place
+                step(static_x)
+        torch.cuda.current_stream().wait_stream(side)
+        if rng.generator_registration_required():
+            tracker = rng.get_cuda_rng_tracker()
+            for key, generator in rng.live_stream_generators(tracker, static_x.device).items():
+                if key != rng.DEFAULT_STREAM:  # torch registers the default one itself
+                    graph.register_generator_state(generator)
+        with torch.cuda.graph(graph, stream=side):
+            step(static_x)
+
+    _, seconds = synchronised(capture)
+
+    def run(x: torch.Tensor) -> None:
+        static_x.copy_(x)
+        graph.replay()
+
+    return Built(run, keep=(blocks, graph, static_x), capture_s=seconds, release=graph.reset)
+
+
 def variants_for(cfg: tuple) -> dict[str, Variant]:
     labels = [f"s{s}" for _ in range(INPUTS_PER_BUCKET) for s in bucket_seqs(cfg[2])]
     return {
@@ -216,6 +253,7 @@ def variants_for(cfg: tuple) -> dict[str, Variant]:
         TE_GRAPH_RECOMPUTE: Variant(lambda: _te_graph(cfg, recompute=True)),
         TE_GRAPH_BUCKETS: Variant(lambda: _te_graph(cfg, buckets=True), inputs="buckets", labels=labels),
         TORCH_GRAPHED: Variant(lambda: _torch_graphed(cfg)),
+        WHOLE_STEP_GRAPH: Variant(lambda: _whole_step_graph(cfg)),
     }
 
 

@@ -122,6 +122,14 @@ def test_bucket_rows_get_info_lines():
     assert formatted[0].split()[:2] == ["info", "tiny"]
 
 
+def test_whole_step_graph_row_gets_info_lines():
+    rows = tiny_rows(**{T.WHOLE_STEP_GRAPH: row(ms=3.2, mib=180.0)})
+    lines = [line for line in T.evaluate_targets({"tiny": rows}, T.STEP_TARGETS) if line.verdict == "info"]
+    assert [line.key for line in lines] == ["te_graph_vs_whole_step", "torch graphed_vs_whole_step"]
+    assert lines[0].detail == "4 vs 3.2 ms = 1.250x"
+    assert lines[1].detail == "8 vs 3.2 ms = 2.500x"
+
+
 def test_medians_by_label_groups_steps_by_input():
     times = [1.0, 10.0, 100.0, 3.0, 30.0, 300.0, 2.0]
     labels = ["s128", "s64", "s32"]
