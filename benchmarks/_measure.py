@@ -5,9 +5,12 @@ Shared by the benchmark scripts so that every row is measured the same way:
 * from a clean allocator: before a variant builds, ``gc.collect()``, cuBLAS workspaces
   cleared, ``torch.cuda.empty_cache()`` (each variant pays its own workspaces, as a
   process running only it would), then ``reset_peak_memory_stats()``;
-* build (model, sample args, capture): ``build_s`` wall time; ``capture_s`` the
-  synchronised wall time of the ``make_graphed_callables`` call alone; the peak reserved
-  and allocated memory of build + capture (``build_peak_*``);
+* build (model, sample args, capture) twice, the first build dropped (it pays the
+  process's one-time costs for the shapes, which would otherwise land on whichever variant
+  runs first; its times are kept as ``first_build_s`` and ``first_capture_s``); of the
+  second: ``build_s`` wall time; ``capture_s`` the synchronised wall time of the
+  ``make_graphed_callables`` call alone; the peak reserved and allocated memory of build
+  + capture (``build_peak_*``);
 * ``warmup`` untimed steps, then ``gc.collect(); empty_cache(); reset_peak_memory_stats()``
   and ``iters`` timed steps: median ms per step and the steady footprint,
   ``max_memory_reserved()`` over those steps (``steady_reserved_mib``), beside
@@ -175,6 +178,13 @@ def measure_steps(build: Callable[[], Built], inputs: Sequence[torch.Tensor], se
                   row: dict, labels: Optional[Sequence[Any]] = None) -> None:
     """Build, warm up and time a variant, filling ``row`` as it goes (see the module
     docstring): a failure after the capture still leaves the capture's numbers in it."""
+    # Built twice, the first build dropped: it pays the process's one-time costs for these
+    # shapes (cuDNN and cuBLAS plans, lazy initialisation), which would otherwise land on
+    # whichever variant of a config happens to run first.
+    first, row["first_build_s"] = synchronised(build)
+    row["first_capture_s"] = first.capture_s
+    _release(first, {})
+    del first
     free_memory()
     torch.cuda.reset_peak_memory_stats()
     row["base_reserved_mib"] = torch.cuda.memory_reserved() / MIB
