@@ -135,11 +135,13 @@ class GraphRunner:
         goes on uncopied only to the backward of the graph whose output ``t`` is, which
         copies it into its own buffer before anything else runs, or, when this buffer is
         that graph's own grad-output buffer (``lends_grad_buffer``), reads it in place;
-        a buffer lent to one graph goes uncopied to that graph alone.
+        a buffer lent to one graph goes uncopied to that graph alone. A hook on ``t``
+        (registered by now) gets a copy too: it may keep what it sees, and a replacement
+        it returns is copied into that very buffer when the buffer is lent.
         """
         if buffer is None or not t.requires_grad:
             return False
-        if t.is_leaf or t.retains_grad:
+        if t.is_leaf or t.retains_grad or t._backward_hooks:
             return True
         node = t.grad_fn
         if type(node) is not _ReplayBackward or type(node.runner) is not GraphRunner:

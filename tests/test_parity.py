@@ -140,6 +140,7 @@ SETUPS = [
     Setup("branches", layer="single-use", dropout=0.1, flow="branches"),
     Setup("fan-out", layer="single-use", dropout=0.1, flow="fan-out"),
     Setup("skip-connection-outside", layer="single-use", flow="skip"),
+    Setup("hook-on-graphed-output", layer="single-use", flow="output-hook"),
 ]
 
 
@@ -156,6 +157,7 @@ class Trace:
     hook_grads: dict = field(default_factory=dict)  # per parameter, what its hooks saw, in order
     hook_calls: dict = field(default_factory=dict)  # hook kind -> number of calls
     main_grads: list = field(default_factory=list)
+    activation_grads: list = field(default_factory=list)  # what a hook on an activation saw
 
 
 def _tracker(setup: Setup, device: str):
@@ -251,9 +253,9 @@ def _first(out):
     return out[0] if isinstance(out, tuple) else out
 
 
-def _run_layers(flow: str, layers: list, x: torch.Tensor) -> torch.Tensor:
+def _run_layers(flow: str, layers: list, x: torch.Tensor, seen: list) -> torch.Tensor:
     """The forward of one microbatch. Forwards always run in the graphed order (the pool's
-    rule); what differs is which output feeds which layer."""
+    rule); what differs is which output feeds which layer. A hook may append to ``seen``."""
     if flow in ("chain", "leaf-view"):
         y = x
         for layer in layers:
@@ -271,6 +273,9 @@ def _run_layers(flow: str, layers: list, x: torch.Tensor) -> torch.Tensor:
         return side + _first(c(h))
     if flow == "fan-out":  # two layers take a's output
         return _first(b(h)) + _first(c(h))
+    if flow == "output-hook":  # keeps the grad it sees (checked after the backward), scales it
+        h.register_hook(lambda g: (seen.append(g), g * 3)[1])
+        return _first(c(_first(b(h))))
     assert flow == "skip", flow  # a's output kept by the caller past later layers
     return _first(c(_first(b(h)))) + h
 
@@ -302,8 +307,10 @@ def train(setup: Setup, mode: str, device: str, steps: int = 3, micro: int = 2) 
             else:
                 x = first = torch.randn(seq, BATCH, HIDDEN, generator=data).to(device, setup.dtype)
                 x.requires_grad_(setup.input_grad)
-            y = _run_layers(setup.flow, layers, first)
+            seen: list = []
+            y = _run_layers(setup.flow, layers, first, seen)
             weighted_loss(y).backward()
+            trace.activation_grads += [g.clone() for g in seen]  # cloned after the backward
             trace.outputs.append(y.detach().clone())
             if setup.input_grad:
                 trace.input_grads.append(x.grad.clone())
@@ -322,7 +329,7 @@ def assert_same(got: Trace, want: Trace, what: str) -> None:
         assert len(got.hook_grads[key]) == len(want.hook_grads[key]), f"{what}: hooks {key} ran another number of times"
         for i, (x, y) in enumerate(zip(got.hook_grads[key], want.hook_grads[key])):
             assert torch.equal(x, y), f"{what}: hook {key} call {i} saw another gradient"
-    for name in ("outputs", "input_grads", "weights", "buffers", "main_grads"):
+    for name in ("outputs", "input_grads", "weights", "buffers", "main_grads", "activation_grads"):
         a, b = getattr(got, name), getattr(want, name)
         assert len(a) == len(b), f"{what}: {name}: {len(a)} entries, eager has {len(b)}"
         for i, (x, y) in enumerate(zip(a, b)):
