@@ -300,7 +300,8 @@ def train(setup: Setup, mode: str, device: str, steps: int = 3, micro: int = 2) 
         seq = setup.seq_lengths[step % len(setup.seq_lengths)]
         # "leaf-view": one leaf per step, fed as a view, its grad accumulating over the
         # microbatches (autograd keeps a view's grad as the leaf's .grad as it is).
-        shared = torch.randn(seq, BATCH, HIDDEN, generator=data).to(device, setup.dtype).requires_grad_()
+        shared = (torch.randn(seq, BATCH, HIDDEN, generator=data).to(device, setup.dtype).requires_grad_()
+                  if setup.flow == "leaf-view" else None)
         for _ in range(micro):
             if setup.flow == "leaf-view":
                 x, first = shared, shared.view_as(shared)
