@@ -1,11 +1,20 @@
 """Per-layer CUDA graphs for Megatron-style training: ``make_graphed_callables`` with
 activation recompute inside the graphs and exact dropout randomness.
 
-Where things live: ``api`` (the call forms), ``checks`` (bad input), ``schedule`` and
-``layout`` (pure planning), ``capture`` (warmup and capture, told top to bottom),
-``recompute_rng`` (the RNG bookkeeping of recompute inside graphs), ``parameters``
-(parameter stand-ins during capture), ``module_state`` (module buffers), ``grads`` (where
-gradients go), ``hooks`` (capture-time hooks), ``replay`` (the per-call path).
+Where things live, in the order a call goes through them:
+
+* ``api``: ``make_graphed_callables`` itself (normalise, check, plan, capture, wrap) and ``reset``;
+* ``options``, ``arguments``: the options (frozen) and the call forms, sample sets and specs;
+* ``checks``: bad input, refused before anything changes;
+* ``schedule``, ``plan``: pure planning (the run order from ``order``; which graphs share buffers);
+* ``records``: the frozen records a graph's state flows through (spec, warmup record, captured graph);
+* ``capture`` (the algorithm, top to bottom), ``warmup``, ``parameters`` (stand-ins),
+  ``module_state`` (module buffers), ``hooks`` (capture-time hooks);
+* ``recompute_rng``: the RNG bookkeeping of recompute inside graphs;
+* ``replay`` (the per-call path: runners and the autograd node), ``graphed`` (the callable
+  handed back), ``grads`` (where gradients go);
+* ``resources``: the process-wide state (capture streams, gradient buffers, live callables)
+  and its teardown; ``compat``: every use of a torch private or a version-dependent path.
 """
 from .api import Samples, eager_replay_default, graph_pool_handle, make_graphed_callables, reset
 

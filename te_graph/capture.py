@@ -3,24 +3,19 @@
 1. Save what warmup and capture will touch: RNG states, module buffers; put stand-ins in
    place of the trainable parameters (``parameters``), so autograd accumulates into them
    and no hook of a real parameter runs while we prepare the graphs.
-2. Warmup, on the side stream later used for capture: ``num_warmup_iters`` passes over the
-   graphs (each forward followed at once by its backward, so warmup needs the memory of
-   one graph) so lazy initialisation (cuBLAS handles, autotuning) happens outside any
-   graph. The first pass checks that nothing but the inputs and the modules' parameters
-   requires grad, and for unused inputs; the last pass records which random streams each
-   forward, backward and checkpointed region draws from, and where (``recompute_rng``).
-3. The allocator's cache is emptied: what warmup cached on the side stream would
+2. Warm up (``warmup``), on the side stream later used for capture: one
+   :class:`WarmupRecord` per graph (output layouts, unused inputs, random draws).
+3. Plan (``plan``) from the warmup layouts: which graphs share static buffers.
+4. The allocator's cache is emptied: what warmup cached on the side stream would
    otherwise stay reserved for the life of the process, beside the pool capture fills.
-4. The persistent parameter-gradient buffers are allocated on the caller's stream, like
+5. The persistent parameter-gradient buffers are allocated on the caller's stream, like
    eager ``.grad``s, and the private recompute generators (never during capture).
-5. Capture, in run order, into one memory pool: each forward graph drawing from the live
+6. Capture, in run order, into one memory pool: each forward graph drawing from the live
    streams, then each backward graph, which runs ``torch.autograd.backward`` with input
    grads redirected and parameter grads accumulated into their persistent buffers
-   (``grads``), its recompute drawing from the private generators. Without an order, a
-   layer's backward reads its output grad straight from the input-grad buffer of the next
-   layer's backward (``grad_output_chain``), so a stack's backward copies nothing between
-   layers.
-6. ``finally``: parameters, buffers, RNG states, ``.grad``s and the garbage collector are
+   (``grads``), its recompute drawing from the private generators. One
+   :class:`CapturedGraph` per graph.
+7. ``finally``: parameters, buffers, RNG states, ``.grad``s and the garbage collector are
    put back, so a failed capture leaves the process and the model as they were and a
    successful one shifts no user state.
 """
@@ -28,133 +23,30 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import warnings
-from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
-import torch.utils._pytree as pytree
 
 import rng
 from checkpointing.capture_hook import capture_hook_set
 
+from . import compat
 from .grads import ParamGrads, grads_redirected
-from .hooks import CaptureTimeHooks
-from .layout import InputLayout, OutputLayout, weak_alias
+from .layout import OutputLayout
 from .module_state import ModuleBuffers
-from .parameters import ForeignLeaves, StandIns
-from .recompute_rng import BackwardDraws, ForwardDraws, RecomputeRNG, TrackerSync
-from .schedule import Step, plan_buffer_reuse
+from .parameters import StandIns
+from .plan import GraphLayout, GraphPlan, TensorMeta, plan_capture
+from .recompute_rng import NO_SYNC, RecomputeRNG, TrackerSync
+from .records import CapturedGraph, GraphSpec, WarmupRecord
+from .resources import RESOURCES
+from .schedule import FORWARD, Step
+from .warmup import grad_mode, warm_up
+
+__all__ = ["CaptureOptions", "Prepared", "prepare_graphs"]
 
 
-@dataclass
-class GraphSpec:
-    """One graph pair to capture: a callable with one set of static inputs."""
-
-    name: str  # "callable 2 (GPTBlock)", with ", microbatch 1" under an order
-    owner: str  # the callable's part of the name: "callable 2 (GPTBlock)"
-    func: Callable  # what the user passed (module or function)
-    call: Callable  # what runs: the function, or the module's own forward (kept if replaced)
-    layout: InputLayout
-    static_inputs: tuple[torch.Tensor, ...]
-    params: tuple[torch.Tensor, ...]  # the real trainable parameters
-    training: bool
-    needs_backward: bool
-    retain_graph: bool = False
-    hooks: Optional[CaptureTimeHooks] = None
-    # Filled by capture():
-    output: OutputLayout | None = None
-    fwd_graph: Any = None
-    bwd_graph: Any = None
-    static_grad_outputs: tuple = ()
-    static_grad_inputs: tuple = ()
-    param_grads: ParamGrads | None = None
-    lends_grad_buffer: bool = False  # its input-grad buffer is the previous graph's grad output
-    rng: RecomputeRNG | None = None
-    sync_forward: TrackerSync | None = None  # duck-typed trackers: keep graphs in step
-    sync_backward: TrackerSync | None = None
-    draws: tuple = field(default=(), repr=False)  # (ForwardDraws, BackwardDraws | None)
-    unused: list = field(default_factory=list, repr=False)  # inputs no output depends on
-
-    @property
-    def grad_inputs(self) -> tuple[torch.Tensor, ...]:
-        return tuple(t for t in self.static_inputs if t.requires_grad)
-
-    def take_buffers_of(self, donor: "GraphSpec") -> None:
-        """Reuse a graph's static inputs and grad-output buffers (its backward has run)."""
-        self.static_inputs = donor.static_inputs
-        self.static_grad_outputs = donor.static_grad_outputs
-
-    def release_pool_buffers(self) -> None:
-        """Hand the pool memory of the static outputs and input grads back to the pool for
-        later captures; replay keeps non-owning aliases (valid until the backward runs)."""
-        self.output.tensors = tuple(weak_alias(t) for t in self.output.tensors)
-        self.output.leaves = [
-            weak_alias(x) if isinstance(x, torch.Tensor) else x for x in self.output.leaves
-        ]
-        self.static_grad_inputs = tuple(
-            None if g is None else weak_alias(g) for g in self.static_grad_inputs
-        )
-
-
-def make_spec(
-    name: str,
-    owner: str,
-    func: Callable,
-    args: Sequence,
-    kwargs: dict,
-    grad_enabled: bool,
-    retain_graph: bool,
-    hooks: Optional[CaptureTimeHooks] = None,
-) -> GraphSpec:
-    """Static inputs are detached leaves sharing the sample tensors' memory.
-
-    A backward graph is captured when grad is enabled and something requires grad (an
-    input or a parameter), in train and in eval mode alike, as eager autograd would
-    differentiate either; graphing under ``torch.no_grad()`` makes forward-only graphs.
-    """
-    layout = InputLayout(name, args, kwargs)
-    params: tuple = ()
-    training = True
-    if isinstance(func, torch.nn.Module):
-        params = tuple(p for p in func.parameters() if p.requires_grad)
-        training = func.training
-    needs_backward = grad_enabled and (any(t.requires_grad for t in layout.samples) or bool(params))
-    static = tuple(t.detach().requires_grad_(t.requires_grad and needs_backward) for t in layout.samples)
-    call = func.forward if isinstance(func, torch.nn.Module) else func
-    return GraphSpec(name, owner, func, call, layout, static, params, training, needs_backward, retain_graph, hooks)
-
-
-def _signature(spec: GraphSpec) -> tuple:
-    """What must match for one graph to take over another's static buffers."""
-    def meta(t: torch.Tensor) -> tuple:
-        return (tuple(t.shape), t.stride(), t.dtype, t.requires_grad)
-
-    outputs = spec.output.tensors if spec.output is not None else ()
-    return (tuple(map(meta, spec.static_inputs)), tuple(map(meta, outputs)))
-
-
-def _differentiable(outputs: Any) -> list[torch.Tensor]:
-    return [o for o in pytree.tree_leaves(outputs) if isinstance(o, torch.Tensor) and o.requires_grad]
-
-
-_capture_streams: dict[int, torch.cuda.Stream] = {}
-
-
-def capture_stream() -> "torch.cuda.Stream":
-    """One side stream per device for every warmup and capture in the process.
-
-    cuBLAS and cuBLASLt keep a workspace per (handle, stream) for the life of the process
-    (tens of MiB on Hopper), and captured graphs bake in its address; a new stream per call
-    would add a set of workspaces for every make_graphed_callables call.
-    """
-    device = torch.cuda.current_device()
-    if device not in _capture_streams:
-        _capture_streams[device] = torch.cuda.Stream(device)
-    return _capture_streams[device]
-
-
-@dataclass
+@dataclass(frozen=True)
 class CaptureOptions:
     """How to warm up and capture (everything but the specs and their schedule)."""
 
@@ -170,8 +62,17 @@ class CaptureOptions:
     post_warmup_hook: Optional[Callable[[], None]] = None
 
 
-def capture(spec_sets: Sequence[Sequence[GraphSpec]], steps: Sequence[Step], options: CaptureOptions) -> None:
-    """Warm up and (unless ``options.eager_replay``) capture every spec, filling it in place.
+class Prepared(NamedTuple):
+    """Per sample set, per graph: its warmup record, its plan, and its captured graph
+    (``captured`` is None in eager replay, which plans but captures nothing)."""
+
+    warmups: list[list[WarmupRecord]]
+    plans: list[tuple[GraphPlan, ...]]
+    captured: Optional[list[list[CapturedGraph]]]
+
+
+def prepare_graphs(spec_sets: Sequence[Sequence[GraphSpec]], steps: Sequence[Step], options: CaptureOptions) -> Prepared:
+    """Warm up and (unless ``options.eager_replay``) capture every spec.
 
     ``spec_sets`` holds one list of specs per captured shape, each following ``steps``; all
     are warmed up first (between ``pre_warmup_hook`` and ``post_warmup_hook``), then all
@@ -187,7 +88,7 @@ def capture(spec_sets: Sequence[Sequence[GraphSpec]], steps: Sequence[Step], opt
     home_stream = None if options.eager_replay else torch.cuda.current_stream()
     try:
         if not options.eager_replay:
-            stream = capture_stream()
+            stream = RESOURCES.capture_stream()
             stream.wait_stream(home_stream)
         # A collection during capture could free a graph or tensor another capture uses,
         # so the collector is off until the end. No full collection first: it walks every
@@ -198,22 +99,29 @@ def capture(spec_sets: Sequence[Sequence[GraphSpec]], steps: Sequence[Step], opt
             with stand_ins.installed():
                 if options.pre_warmup_hook is not None:
                     options.pre_warmup_hook()
-                for shape_specs in spec_sets:
-                    _warmup(shape_specs, steps, options, stand_ins, buffers)
+                warmups = [
+                    warm_up(shape_specs, steps, options.num_warmup_iters, options.allow_unused_input,
+                            options.tracker, not options.eager_replay, stand_ins, buffers)
+                    for shape_specs in spec_sets
+                ]
                 if options.post_warmup_hook is not None:
                     options.post_warmup_hook()
+                plans = [_plan(shape_specs, records, steps, options) for shape_specs, records in zip(spec_sets, warmups)]
                 if options.eager_replay:
-                    return
+                    return Prepared(warmups, plans, None)
                 # Warmup's activations, cached on the side stream, would otherwise stay
                 # reserved beside the pool for the life of the process (torch's own
                 # capture empties the cache too).
                 torch.cuda.empty_cache()
-                _allocate_grad_buffers(specs, home_stream, stream)
-                for shape_specs in spec_sets:
-                    _capture_graphs(shape_specs, steps, options, stand_ins, home_stream)
+                param_grads = _allocate_grad_buffers(spec_sets, home_stream, stream)
+                captured = [
+                    _capture(*per_set, steps, options, stand_ins, home_stream)
+                    for per_set in zip(spec_sets, warmups, plans, param_grads)
+                ]
                 buffers.check_not_reassigned()
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
+        return Prepared(warmups, plans, captured)
     finally:
         if gc_enabled:
             gc.enable()
@@ -221,15 +129,33 @@ def capture(spec_sets: Sequence[Sequence[GraphSpec]], steps: Sequence[Step], opt
         buffers.restore()
 
 
-def _allocate_grad_buffers(specs: Sequence[GraphSpec], home_stream, side_stream) -> None:
+def _plan(specs: Sequence[GraphSpec], warmups: Sequence[WarmupRecord], steps, options: CaptureOptions) -> tuple[GraphPlan, ...]:
+    layouts = [
+        GraphLayout(
+            tuple(map(TensorMeta.of, spec.static_inputs)),
+            tuple(map(TensorMeta.of, record.output.tensors, record.output.devices)),
+            record.unused,
+            spec.needs_backward,
+        )
+        for spec, record in zip(specs, warmups)
+    ]
+    return plan_capture(steps, layouts, reuse_buffers=options.reuse_buffers, chain_grads=options.chain_grads)
+
+
+def _allocate_grad_buffers(spec_sets, home_stream, side_stream) -> list[list[Optional[ParamGrads]]]:
     """The persistent parameter-gradient buffers, on the caller's stream: replays run there
     and eager code keeps its ``.grad``s there, so the side stream holds only transient
     memory (and after warmup, so that warmup does not carry them as well)."""
     with torch.cuda.stream(home_stream):
-        for spec in specs:
-            if spec.needs_backward:
-                spec.param_grads = ParamGrads(spec.params)
+        grads = [
+            [
+                ParamGrads(spec.params, [RESOURCES.grad_buffer(p) for p in spec.params]) if spec.needs_backward else None
+                for spec in specs
+            ]
+            for specs in spec_sets
+        ]
     side_stream.wait_stream(home_stream)
+    return grads
 
 
 def _unique_modules(specs: Sequence[GraphSpec]) -> dict[str, torch.nn.Module]:
@@ -242,203 +168,143 @@ def _unique_modules(specs: Sequence[GraphSpec]) -> dict[str, torch.nn.Module]:
     return modules
 
 
-# -- warmup ---------------------------------------------------------------------------------
-def _warmup(specs, steps, options: CaptureOptions, stand_ins: StandIns, buffers: ModuleBuffers) -> None:
-    record = not options.eager_replay
-    device = torch.device("cuda", torch.cuda.current_device()) if record else None
-    # Each graph's forward is followed at once by its backward (as torch's own warmup does):
-    # only one graph's activations are alive at a time, so warmup leaves little in the
-    # allocator's cache and capture starts from about the memory a step needs.
-    forwards = [specs[step.flat_index] for step in steps if step.kind == "forward"]
-    for iteration in range(options.num_warmup_iters):
-        last = iteration == options.num_warmup_iters - 1
-        for spec in forwards:
-            outputs = _warmup_forward(spec, stand_ins, iteration == 0, last and record, device, options.tracker)
-            buffers.check_not_reassigned()
-            if spec.needs_backward:
-                _warmup_backward(spec, stand_ins, outputs, last and record, device, options.tracker)
-                if iteration == 0:
-                    _check_unused(spec, options.allow_unused_input)
-            del outputs
+# -- capture --------------------------------------------------------------------------------
+class _Forward(NamedTuple):
+    """A captured forward graph, waiting for its backward's capture."""
+
+    graph: Any
+    static_inputs: tuple[torch.Tensor, ...]
+    output: OutputLayout
 
 
-def _warmup_forward(spec: GraphSpec, stand_ins: StandIns, first: bool, record: bool, device, tracker) -> Any:
-    args, kwargs = spec.layout.unflatten(spec.static_inputs)
-    draws = ForwardDraws(rng.live_stream_generators(tracker, device)) if record else None
-    # In the first pass, before any backward could accumulate into a foreign leaf.
-    watcher = ForeignLeaves(spec.static_inputs + stand_ins(spec.params)) if first else None
-    hooks = spec.hooks
-    if hooks is not None:
-        hooks.forward_pre(spec.func, args, kwargs)
-    with capture_hook_set(draws), watcher if watcher is not None else contextlib.nullcontext(), _grad_mode(spec):
-        outputs = spec.call(*args, **kwargs)
-    if hooks is not None:
-        hooks.forward(spec.func, args, kwargs, outputs)
-    if watcher is not None:
-        watcher.raise_if_any(spec.name)
-    if draws is not None:
-        draws.close()
-        spec.draws = (draws, None)
-    if spec.output is None:
-        spec.output = OutputLayout(spec.name, outputs).forget_memory()  # capture replaces it
-    return outputs
+def _capture(
+    specs: Sequence[GraphSpec],
+    warmups: Sequence[WarmupRecord],
+    plans: Sequence[GraphPlan],
+    param_grads: Sequence[Optional[ParamGrads]],
+    steps: Sequence[Step],
+    options: CaptureOptions,
+    stand_ins: StandIns,
+    home_stream,
+) -> list[CapturedGraph]:
+    """Capture the graphs of one sample set in ``steps`` order, as ``plans`` say."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    rngs = [RecomputeRNG.create(w.forward_draws, w.backward_draws, device) for w in warmups]
+    mempool = options.pool if options.pool is not None else torch.cuda.graph_pool_handle()
+    mode = options.capture_error_mode
+    forwards: dict[int, _Forward] = {}
+    captured: dict[int, CapturedGraph] = {}
+    for step in steps:
+        index = step.flat_index
+        spec, plan, warmup = specs[index], plans[index], warmups[index]
+        if step.kind == FORWARD:
+            donor = captured[plan.donor] if plan.donor is not None else None
+            static_inputs = donor.static_inputs if donor is not None else spec.static_inputs
+            forwards[index] = _capture_forward(spec, static_inputs, rngs[index], mempool, mode)
+            if not spec.needs_backward:
+                captured[index] = _record(forwards.pop(index), None, (), (), None, rngs[index], warmup, plan, options)
+            continue
+        if not spec.needs_backward:
+            continue
+        forward = forwards.pop(index)
+        grad_outputs = _grad_output_buffers(forward.output, plan, captured, home_stream)
+        graph, grad_inputs = _capture_backward(
+            spec, forward, grad_outputs, param_grads[index], rngs[index], mempool, mode, stand_ins
+        )
+        captured[index] = _record(forward, graph, grad_outputs, grad_inputs, param_grads[index], rngs[index], warmup, plan, options)
+    return [captured[i] for i in range(len(specs))]
 
 
-def _warmup_backward(spec: GraphSpec, stand_ins: StandIns, outputs: Any, record: bool, device, tracker) -> None:
-    out = _differentiable(outputs)
-    grads = [torch.zeros_like(o) for o in out]
-    draws = BackwardDraws(rng.live_stream_generators(tracker, device)) if record else None
-    if spec.hooks is not None:
-        spec.hooks.backward_pre(spec.func, tuple(grads))
-    with grads_redirected(spec.grad_inputs):
-        if out:
-            torch.autograd.backward(out, grads)
-        grad_inputs = tuple(t.grad for t in spec.grad_inputs)
-        # Unused-input check reads the .grads before they are put back.
-        spec.unused = [i for i, t in enumerate(spec.static_inputs) if t.requires_grad and t.grad is None]
-    if spec.hooks is not None:
-        spec.hooks.backward(spec.func, grad_inputs, tuple(grads))
-    for p in stand_ins(spec.params):
-        p.grad = None  # throwaway: the next pass starts clean
-    if draws is not None:
-        draws.close()
-        spec.draws = (spec.draws[0], draws)
-
-
-def _grad_mode(spec: GraphSpec):
-    return contextlib.nullcontext() if spec.needs_backward else torch.no_grad()
-
-
-def _check_unused(spec: GraphSpec, allow_unused_input: bool) -> None:
-    if allow_unused_input or not spec.unused:
-        return
-    raise ValueError(
-        f"make_graphed_callables: input {spec.unused[0]} of {spec.name} requires grad, but no "
-        "output depends on it. Pass allow_unused_input=True, or pass it with "
-        "requires_grad=False."
+def _record(forward: _Forward, bwd_graph, grad_outputs, grad_inputs, param_grads, recompute: RecomputeRNG,
+            warmup: WarmupRecord, plan: GraphPlan, options: CaptureOptions) -> CapturedGraph:
+    output = forward.output
+    if plan.releases_buffers:
+        # Hand the pool memory of the outputs and input grads back to the pool for later
+        # captures; replay keeps non-owning aliases (valid until this graph's backward runs,
+        # which is when the graph that takes its buffers over may overwrite them).
+        output = output.with_tensors([compat.weak_alias(t) for t in output.tensors])
+        grad_inputs = tuple(None if g is None else compat.weak_alias(g) for g in grad_inputs)
+    tracker = options.tracker
+    return CapturedGraph(
+        fwd_graph=forward.graph,
+        bwd_graph=bwd_graph,
+        static_inputs=forward.static_inputs,
+        output=output,
+        static_grad_outputs=grad_outputs,
+        static_grad_inputs=grad_inputs,
+        param_grads=param_grads,
+        rng=recompute.for_replay(),
+        sync_forward=TrackerSync.needed(tracker, warmup.forward_draws.used_generators()),
+        sync_backward=(
+            TrackerSync.needed(tracker, warmup.backward_draws.used_generators())
+            if warmup.backward_draws is not None else NO_SYNC
+        ),
+        lends_grad_buffer=plan.lends_grad_buffer,
     )
 
 
-# -- capture --------------------------------------------------------------------------------
-def _capture_graphs(specs, steps, options: CaptureOptions, stand_ins: StandIns, home_stream) -> None:
-    device = torch.device("cuda", torch.cuda.current_device())
-    for spec in specs:
-        forward, backward = spec.draws
-        spec.rng = RecomputeRNG.create(forward, backward, device)
-        spec.sync_forward = TrackerSync.needed(options.tracker, {k: forward.streams[k] for k in forward.used})
-        if backward is not None:
-            spec.sync_backward = TrackerSync.needed(options.tracker, {k: backward.streams[k] for k in backward.used})
-        spec.draws = ()
-    mempool = options.pool if options.pool is not None else torch.cuda.graph_pool_handle()
-    donors = plan_buffer_reuse(steps, [_signature(s) for s in specs]) if options.reuse_buffers else {}
-    passed_on = {d for d in donors.values() if d is not None}
-    for step in steps:
-        spec = specs[step.flat_index]
-        if step.kind == "forward":
-            donor = donors.get(step.flat_index)
-            if donor is not None:
-                spec.take_buffers_of(specs[donor])
-            _capture_forward(spec, mempool, options.capture_error_mode)
-        elif spec.needs_backward:
-            if not spec.static_grad_outputs:  # else taken over from a buffer donor
-                following = specs[step.flat_index + 1] if step.flat_index + 1 < len(specs) else None
-                chained = grad_output_chain(spec, following) if options.chain_grads else None
-                if chained:
-                    following.lends_grad_buffer = True
-                with torch.cuda.stream(home_stream):
-                    spec.static_grad_outputs = chained or tuple(
-                        torch.empty_like(o) if o.requires_grad else None for o in spec.output.tensors
-                    )
-            _capture_backward(spec, mempool, options.capture_error_mode, stand_ins)
-            if step.flat_index in passed_on:
-                spec.release_pool_buffers()
-
-
-def grad_output_chain(spec: GraphSpec, following: Optional[GraphSpec]) -> Optional[tuple]:
-    """``spec``'s static grad outputs as the input-grad buffer of ``following``'s backward,
-    or None where that is not a plain hand-over.
-
-    In a stack, layer i's output is layer i+1's input, and the gradient autograd hands layer
-    i's backward is the one layer i+1's backward just wrote: reading it where it lies saves
-    a copy and a buffer per layer. It needs one differentiable output meeting one input
-    that takes a grad, with the same layout, and ``following``'s backward captured first
-    (the plain schedule). Replay keeps it exact: the buffer is handed on uncopied only to
-    this graph (``GraphRunner``), and any other grad is copied in, as into a buffer of its own.
-    """
-    if following is None or not following.needs_backward or following.bwd_graph is None:
-        return None
-    outputs = [o for o in spec.output.tensors if o.requires_grad]
-    takers = [g for t, g in zip(following.static_inputs, following.static_grad_inputs) if t.requires_grad]
-    if len(outputs) != 1 or len(takers) != 1 or takers[0] is None:
-        return None
-    out, grad = outputs[0], takers[0]
-    if (grad.shape, grad.stride(), grad.dtype, grad.device) != (out.shape, out.stride(), out.dtype, out.device):
-        return None
-    return tuple(grad if o is out else None for o in spec.output.tensors)
-
-
-def _register_generators(graph: Any, generators: Sequence[torch.Generator]) -> None:
-    if generators and rng.generator_registration_required():
-        for generator in generators:
-            graph.register_generator_state(generator)
+def _grad_output_buffers(output: OutputLayout, plan: GraphPlan, captured: dict[int, CapturedGraph], home_stream) -> tuple:
+    """The buffers the backward graph reads its output grads from: a buffer donor's, the
+    lender's input-grad buffer (gradient chaining, when its layout is the output's), or new
+    ones on the caller's stream."""
+    if plan.donor is not None and captured[plan.donor].static_grad_outputs:
+        return captured[plan.donor].static_grad_outputs
+    if plan.grad_output_from is not None:
+        lender = captured[plan.grad_output_from]
+        grad = next(g for t, g in zip(lender.static_inputs, lender.static_grad_inputs) if t.requires_grad)
+        out = next(o for o in output.tensors if o.requires_grad)
+        if TensorMeta.of(grad).same_layout(TensorMeta.of(out)):
+            return tuple(grad if o is out else None for o in output.tensors)
+    with torch.cuda.stream(home_stream):
+        return tuple(torch.empty_like(o) if o.requires_grad else None for o in output.tensors)
 
 
 @contextlib.contextmanager
 def _capturing(graph: Any, mempool: Any, generators: Sequence[torch.Generator], mode: str):
     """Capture into ``graph``; if the body fails, end the capture and take every generator
-    the graph registered out of capture mode (torch skips that when capture_end fails,
-    which would break every later random draw in the process)."""
-    _register_generators(graph, generators)
+    the graph registered out of capture mode (``compat.end_generator_capture``)."""
+    compat.register_generators(graph, generators)
     graph.capture_begin(pool=mempool, capture_error_mode=mode)
     try:
         yield
     except BaseException:
         with contextlib.suppress(Exception):
             graph.capture_end()
-        _end_generator_capture(generators)
+        compat.end_generator_capture(generators)
         raise
     graph.capture_end()
 
 
-def _end_generator_capture(generators: Sequence[torch.Generator]) -> None:
-    # An empty capture registering the same generators runs their capture epilogue.
+def _capture_forward(spec: GraphSpec, static_inputs: tuple, recompute: RecomputeRNG, mempool: Any, mode: str) -> _Forward:
     graph = torch.cuda.CUDAGraph()
-    _register_generators(graph, generators)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "The CUDA Graph is empty"
-        graph.capture_begin(capture_error_mode="thread_local")
-        graph.capture_end()
-
-
-def _capture_forward(spec: GraphSpec, mempool: Any, mode: str) -> None:
-    graph = torch.cuda.CUDAGraph()
-    args, kwargs = spec.layout.unflatten(spec.static_inputs)
-    regions = spec.rng.capture_hook()
+    args, kwargs = spec.layout.unflatten(static_inputs)
+    regions = recompute.capture_hook()
     if spec.hooks is not None:
         spec.hooks.forward_pre(spec.func, args, kwargs)
-    with _capturing(graph, mempool, spec.rng.forward_generators, mode):
-        with capture_hook_set(regions), _grad_mode(spec):
+    with _capturing(graph, mempool, recompute.forward_generators, mode):
+        with capture_hook_set(regions), grad_mode(spec):
             outputs = spec.call(*args, **kwargs)
     regions.check_complete()
     if spec.hooks is not None:
         spec.hooks.forward(spec.func, args, kwargs, outputs)
-    spec.output = OutputLayout(spec.name, outputs)
-    spec.fwd_graph = graph
+    return _Forward(graph, static_inputs, OutputLayout(spec.name, outputs))
 
 
-def _capture_backward(spec: GraphSpec, mempool: Any, mode: str, stand_ins: StandIns) -> None:
-    differentiable = [o for o in spec.output.tensors if o.requires_grad]
-    grads = [g for g in spec.static_grad_outputs if g is not None]
+def _capture_backward(spec: GraphSpec, forward: _Forward, grad_outputs: tuple, param_grads: ParamGrads,
+                      recompute: RecomputeRNG, mempool: Any, mode: str, stand_ins: StandIns) -> tuple[Any, tuple]:
+    differentiable = [o for o in forward.output.tensors if o.requires_grad]
+    grads = [g for g in grad_outputs if g is not None]
+    inputs = forward.static_inputs
     stand = stand_ins(spec.params)
     graph = torch.cuda.CUDAGraph()
     if spec.hooks is not None:
         spec.hooks.backward_pre(spec.func, tuple(grads))
-    with grads_redirected(spec.grad_inputs, stand, spec.param_grads.buffers):
-        with _capturing(graph, mempool, spec.rng.backward_generators, mode):
+    with grads_redirected([t for t in inputs if t.requires_grad], stand, param_grads.buffers):
+        with _capturing(graph, mempool, recompute.backward_generators, mode):
             if differentiable:
                 torch.autograd.backward(differentiable, grads, retain_graph=spec.retain_graph)
-        spec.static_grad_inputs = tuple(t.grad if t.requires_grad else None for t in spec.static_inputs)
-        for p, b in zip(stand, spec.param_grads.buffers):
+        grad_inputs = tuple(t.grad if t.requires_grad else None for t in inputs)
+        for p, b in zip(stand, param_grads.buffers):
             if p.grad is not b:
                 raise RuntimeError(
                     f"make_graphed_callables: autograd replaced the gradient of a parameter of "
@@ -446,5 +312,5 @@ def _capture_backward(spec: GraphSpec, mempool: Any, mode: str, stand_ins: Stand
                     "differently laid out gradient?); such a parameter cannot be graphed."
                 )
     if spec.hooks is not None:
-        spec.hooks.backward(spec.func, tuple(g for g in spec.static_grad_inputs if g is not None), tuple(grads))
-    spec.bwd_graph = graph
+        spec.hooks.backward(spec.func, tuple(g for g in grad_inputs if g is not None), tuple(grads))
+    return graph, grad_inputs

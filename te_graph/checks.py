@@ -10,7 +10,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .layout import InputLayout, describe
-from .replay import graphed_callable_of
+from . import compat
+from .graphed import graphed_callable_of
 
 EAGER_REPLAY_HINT = (
     "To debug on a machine without graphs, pass eager_replay=True (or set "
@@ -75,19 +76,6 @@ def check_callables(modules: Any) -> tuple[Callable, ...]:
     return callables
 
 
-def check_warmup_iters(num_warmup_iters: Any) -> None:
-    if isinstance(num_warmup_iters, bool) or not isinstance(num_warmup_iters, int):
-        raise TypeError(
-            f"make_graphed_callables: num_warmup_iters must be an int, got "
-            f"{num_warmup_iters!r} ({type(num_warmup_iters).__name__})."
-        )
-    if num_warmup_iters < 1:
-        raise ValueError(
-            f"make_graphed_callables: num_warmup_iters={num_warmup_iters}; at least 1 warmup "
-            "pass is needed (it also learns which random streams each recomputed region uses)."
-        )
-
-
 def check_modules(callables: Sequence[Callable]) -> None:
     """No hooks (they would run once, at capture), no buffer requiring grad, one mode."""
     modes = {}
@@ -96,11 +84,7 @@ def check_modules(callables: Sequence[Callable]) -> None:
             continue
         modes.setdefault(c.training, index)
         for name, module in c.named_modules():
-            hooks = [
-                kind
-                for kind in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-                if getattr(module, kind, None)
-            ]
+            hooks = compat.module_hook_dicts(module)
             if hooks:
                 where = f"submodule {name!r} of callable {index}" if name else f"callable {index}"
                 raise ValueError(

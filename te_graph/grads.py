@@ -26,47 +26,17 @@ from __future__ import annotations
 
 import contextlib
 import operator
-import weakref
 from typing import Iterator, Sequence
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
+
+from . import compat
 
 _grad_of = operator.attrgetter("grad")
-_tensor_hooks = operator.attrgetter("_backward_hooks")
-_post_accumulate_hooks = operator.attrgetter("_post_accumulate_grad_hooks")
-
-# Parameter -> weak reference to its buffer. Keyed by identity (a plain WeakKeyDictionary
-# would compare tensors with ``==``); the buffer lives as long as a graph that accumulates
-# into it or the parameter's ``.grad`` holds it, so ``reset()`` can free it.
-_buffers = WeakIdKeyDictionary()
-
-try:  # DDP marks the module whose forward is running (torch >= 2.0); feature-detected.
-    from torch.nn.parallel import DistributedDataParallel as _DDP
-except ImportError:  # pragma: no cover - torch built without distributed
-    _DDP = None
-
-
-def ddp_forward_active() -> bool:
-    """True inside the forward of a ``DistributedDataParallel`` module."""
-    return _DDP is not None and getattr(_DDP, "_active_ddp_module", None) is not None
-
-
-_HAS_POST_ACCUMULATE = hasattr(torch.Tensor, "register_post_accumulate_grad_hook")
 
 
 def _has_main_grad(param: torch.Tensor) -> bool:
     return "main_grad" in param.__dict__
-
-
-def grad_buffer(param: torch.Tensor) -> torch.Tensor:
-    """The persistent buffer ``param``'s gradient is accumulated into by every graph."""
-    ref = _buffers.get(param)
-    buffer = ref() if ref is not None else None
-    if buffer is None:
-        buffer = torch.zeros_like(param)
-        _buffers[param] = weakref.ref(buffer)
-    return buffer
 
 
 @contextlib.contextmanager
@@ -96,11 +66,12 @@ def grads_redirected(
 
 
 class ParamGrads:
-    """The parameters one backward graph accumulates into, and their buffers."""
+    """The parameters one backward graph accumulates into, and their persistent buffers
+    (``RESOURCES.grad_buffer``: one per parameter, shared by every graph using it)."""
 
-    def __init__(self, params: Sequence[torch.Tensor]):
+    def __init__(self, params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor]):
         self.params = tuple(params)
-        self.buffers = tuple(grad_buffer(p) for p in self.params)
+        self.buffers = tuple(buffers)
 
     def observed(self) -> bool:
         """Whether something observes a parameter's gradient: hooks on it, or Megatron's
@@ -108,8 +79,8 @@ class ParamGrads:
         graphing. On the hot path: a few C-level attribute reads per parameter."""
         params = self.params
         return (
-            any(map(_tensor_hooks, params))
-            or (_HAS_POST_ACCUMULATE and any(map(_post_accumulate_hooks, params)))
+            any(map(compat.tensor_hooks, params))
+            or (compat.HAS_POST_ACCUMULATE_HOOKS and any(map(compat.post_accumulate_hooks, params)))
             or any(map(_has_main_grad, params))
         )
 
@@ -124,9 +95,7 @@ class ParamGrads:
         if all(map(operator.is_, map(_grad_of, params), buffers)):
             return
         stale = [i for i in range(len(params)) if params[i].grad is not buffers[i]]
-        zeroed = [buffers[i] for i in stale if params[i].grad is None]
-        if zeroed:
-            torch._foreach_zero_(zeroed)
+        compat.zero_([buffers[i] for i in stale if params[i].grad is None])
         for i in stale:
             grad = params[i].grad
             if grad is not None:
@@ -141,8 +110,7 @@ class ParamGrads:
             grad = p.grad
             if grad is not None and grad.data_ptr() == b.data_ptr():
                 p.grad = grad.clone()
-        if self.buffers:
-            torch._foreach_zero_(list(self.buffers))
+        compat.zero_(self.buffers)
 
     def for_autograd(self, clone: bool) -> tuple[torch.Tensor, ...]:
         """After the replay: each parameter's fresh gradient, to hand to autograd.
@@ -154,6 +122,6 @@ class ParamGrads:
         if not clone:
             return tuple(b.detach() for b in self.buffers)
         return tuple(
-            b.clone() if p.grad is None or p._backward_hooks else b.detach()
+            b.clone() if p.grad is None or compat.tensor_hooks(p) else b.detach()
             for p, b in zip(self.params, self.buffers)
         )

@@ -12,7 +12,7 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-__all__ = ["InputLayout", "OutputLayout", "describe", "describe_value", "weak_alias"]
+__all__ = ["InputLayout", "OutputLayout", "describe", "describe_value"]
 
 
 def describe(t: torch.Tensor) -> str:
@@ -36,17 +36,6 @@ def _structure(spec: Any) -> str:
 class _Leaf:
     def __repr__(self) -> str:
         return "*"
-
-
-def weak_alias(t: torch.Tensor) -> torch.Tensor:
-    """A tensor viewing ``t``'s memory without keeping it allocated (the allocator may hand
-    the memory to later allocations; the alias sees whatever is written there)."""
-    storage = torch._C._construct_storage_from_data_pointer(
-        t.untyped_storage().data_ptr(), t.device, t.untyped_storage().nbytes()
-    )
-    alias = torch.empty((), dtype=t.dtype, device=t.device)
-    alias.set_(storage, t.storage_offset(), t.shape, t.stride())
-    return alias.requires_grad_(t.requires_grad)
 
 
 class InputLayout:
@@ -180,17 +169,25 @@ class OutputLayout:
         self.single = isinstance(outputs, torch.Tensor)
         self.flat_tuple = isinstance(outputs, tuple) and self.spec == pytree.tree_flatten(tuple(leaves))[1]
         self.tensors: tuple[torch.Tensor, ...] = tuple(leaves[i] for i in self.tensor_slots)
+        self.devices = tuple(t.device for t in self.tensors)  # kept when the memory is not
 
-    def forget_memory(self) -> "OutputLayout":
-        """Keep each output tensor's layout (shape, strides, dtype, requires_grad), not its
-        memory: meta tensors in their place. Warmup's layout is kept until capture replaces
-        it, and real tensors would pin their allocator segments past ``empty_cache()``."""
+    def with_tensors(self, tensors: Sequence[torch.Tensor]) -> "OutputLayout":
+        """The same layout with ``tensors`` as its output tensors (a new object)."""
+        leaves = list(self.leaves)
+        for slot, t in zip(self.tensor_slots, tensors):
+            leaves[slot] = t
+        clone = object.__new__(OutputLayout)
+        clone.__dict__.update(self.__dict__, leaves=leaves, tensors=tuple(tensors))
+        return clone
+
+    def without_memory(self) -> "OutputLayout":
+        """The same layout with meta tensors (shape, strides, dtype, requires_grad) in place
+        of the outputs: warmup's layout is kept until capture, and real tensors would pin
+        their allocator segments past ``empty_cache()``."""
         def meta(t: torch.Tensor) -> torch.Tensor:
             return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta").requires_grad_(t.requires_grad)
 
-        self.leaves = [meta(x) if isinstance(x, torch.Tensor) else x for x in self.leaves]
-        self.tensors = tuple(self.leaves[i] for i in self.tensor_slots)
-        return self
+        return self.with_tensors([meta(t) for t in self.tensors])
 
     def tensors_of(self, outputs: Any) -> tuple[torch.Tensor, ...]:
         """The tensors of a later call's return value (same structure as at capture)."""

@@ -34,18 +34,34 @@ import torch
 
 import rng
 
-__all__ = ["ForwardDraws", "BackwardDraws", "RegionDraws", "RecomputeRNG", "TrackerSync"]
+__all__ = [
+    "ForwardDraws", "BackwardDraws", "RegionDraws", "StreamUse", "RecomputeRNG", "NO_RECOMPUTE",
+    "TrackerSync", "NO_SYNC",
+]
 
 
 def _offsets(streams: Mapping[str, torch.Generator]) -> dict[str, int]:
     return {key: g.get_offset() for key, g in streams.items()}
 
 
-@dataclass
+@dataclass(frozen=True)
 class RegionDraws:
     """Where one checkpointed region draws, per stream: its offset inside the forward."""
 
     offsets: dict[str, int]
+
+
+@dataclass(frozen=True)
+class StreamUse:
+    """What the last warmup pass learned about one forward or backward: the live streams
+    (by key), which of them it drew from, and where each checkpointed region drew."""
+
+    streams: dict[str, torch.Generator]
+    used: tuple[str, ...]
+    regions: tuple[RegionDraws, ...] = ()
+
+    def used_generators(self) -> dict[str, torch.Generator]:
+        return {k: self.streams[k] for k in self.used}
 
 
 class ForwardDraws:
@@ -53,14 +69,13 @@ class ForwardDraws:
     draws from, and which streams each checkpointed region draws from and where.
 
     Used as ``checkpointing.capture_hook``'s hook; it only observes (yields ``None``), so
-    the regions run as eager checkpoints do.
+    the regions run as eager checkpoints do. ``close()`` gives the record.
     """
 
     def __init__(self, streams: Mapping[str, torch.Generator]):
         self.streams = dict(streams)
         self.start = _offsets(self.streams)
         self.regions: list[RegionDraws] = []
-        self.used: tuple[str, ...] = ()
 
     @contextlib.contextmanager
     def forward_region(self) -> Iterator[None]:
@@ -71,9 +86,8 @@ class ForwardDraws:
             RegionDraws({k: begin[k] - self.start[k] for k in self.streams if end[k] > begin[k]})
         )
 
-    def close(self) -> None:
-        end = _offsets(self.streams)
-        self.used = tuple(k for k in self.streams if end[k] > self.start[k])
+    def close(self) -> StreamUse:
+        return StreamUse(self.streams, _drawn_from(self.streams, self.start), tuple(self.regions))
 
 
 class BackwardDraws:
@@ -82,11 +96,14 @@ class BackwardDraws:
     def __init__(self, streams: Mapping[str, torch.Generator]):
         self.streams = dict(streams)
         self.start = _offsets(self.streams)
-        self.used: tuple[str, ...] = ()
 
-    def close(self) -> None:
-        end = _offsets(self.streams)
-        self.used = tuple(k for k in self.streams if end[k] > self.start[k])
+    def close(self) -> StreamUse:
+        return StreamUse(self.streams, _drawn_from(self.streams, self.start))
+
+
+def _drawn_from(streams: Mapping[str, torch.Generator], start: Mapping[str, int]) -> tuple[str, ...]:
+    end = _offsets(streams)
+    return tuple(k for k in streams if end[k] > start[k])
 
 
 @dataclass
@@ -102,7 +119,7 @@ class RecomputeRNG:
     _seeds: list[int] = field(default_factory=list, repr=False)  # last seed set per target
 
     @classmethod
-    def create(cls, forward: ForwardDraws, backward: Optional[BackwardDraws], device: torch.device) -> "RecomputeRNG":
+    def create(cls, forward: StreamUse, backward: Optional[StreamUse], device: torch.device) -> "RecomputeRNG":
         """Allocate the private generators (never during capture: none can be made there)."""
         streams = forward.streams
         used_live = sorted({k for region in forward.regions for k in region.offsets}, key=list(streams).index)
@@ -126,6 +143,11 @@ class RecomputeRNG:
     def has_regions(self) -> bool:
         return bool(self.targets)
 
+    def for_replay(self) -> "RecomputeRNG | _NoRecompute":
+        """What replay calls around each call: itself, or ``NO_RECOMPUTE`` when no
+        checkpointed region draws random numbers (nothing to record or restore)."""
+        return self if self.targets else NO_RECOMPUTE
+
     # -- capture ----------------------------------------------------------------------
     def capture_hook(self) -> "_CaptureRegions":
         """The capture hook of the forward capture: hands each region its generators."""
@@ -147,6 +169,21 @@ class RecomputeRNG:
                 generator.manual_seed(seed)
                 seeds[i] = seed
             generator.set_offset(offset + inside)
+
+
+class _NoRecompute:
+    """A callable whose recompute draws nothing: replay records and restores nothing."""
+
+    @staticmethod
+    def record() -> tuple:
+        return ()
+
+    @staticmethod
+    def restore(record: tuple) -> None:
+        pass
+
+
+NO_RECOMPUTE = _NoRecompute()
 
 
 class _CaptureRegions:
@@ -196,12 +233,13 @@ class TrackerSync:
         self.streams = tuple((k, g) for k, g in streams.items() if k != rng.DEFAULT_STREAM)
 
     @classmethod
-    def needed(cls, tracker: Any, streams: Mapping[str, torch.Generator]) -> Optional["TrackerSync"]:
-        """A sync for the tracker streams in ``streams``; None for ours, which needs none."""
+    def needed(cls, tracker: Any, streams: Mapping[str, torch.Generator]) -> "TrackerSync | _NoSync":
+        """A sync for the tracker streams in ``streams``; ``NO_SYNC`` where none is needed
+        (our tracker keeps its generator objects, or no tracker stream is drawn from)."""
         if tracker is None or isinstance(tracker, rng.CudaRNGStatesTracker):
-            return None
+            return NO_SYNC
         sync = cls(tracker, streams)
-        return sync if sync.streams else None
+        return sync if sync.streams else NO_SYNC
 
     def before_replay(self, name: str) -> list:
         """Make the captured generators hold the tracker's current states."""
@@ -230,3 +268,18 @@ class TrackerSync:
         """Hand the tracker's generators the offsets the replay advanced to."""
         for theirs, ours in moved:
             theirs.set_offset(ours.get_offset())
+
+
+class _NoSync:
+    """Nothing to keep in step: ``before_replay`` moves nothing."""
+
+    @staticmethod
+    def before_replay(name: str) -> tuple:
+        return ()
+
+    @staticmethod
+    def after_replay(moved: Any) -> None:
+        pass
+
+
+NO_SYNC = _NoSync()

@@ -1,9 +1,9 @@
 """The replay path: what runs on every call of a graphed callable.
 
 One ``torch.autograd.Function`` serves every graph. Its forward copies a new input into the
-static buffer only when the pointers differ, records the live streams its recompute must
+static buffer unless it already lies there, records the live streams its recompute must
 start from, replays the forward graph and returns the static outputs detached. Its
-backward copies the incoming grads (same pointer rule), readies the parameter gradients
+backward copies the incoming grads (same rule), readies the parameter gradients
 (``grads``), sets the recompute generators where its own forward left the streams, and
 replays the backward graph.
 
@@ -12,20 +12,22 @@ follows the call, and a backward whose activations a later forward replay overwr
 the same graph, or of another shape sharing its memory) is refused instead of silently
 computing wrong gradients.
 
-The eager-replay runner goes through the same wrapper but runs the callable instead of
-graphs: a debugging mirror ("is it the graph or my model?") that also runs on CPU.
+Two runners share that wrapper: :class:`GraphRunner` replays a :class:`CapturedGraph`;
+:class:`EagerRunner` runs the callable itself on the same static buffers (eager replay: a
+debugging mirror, "is it the graph or my model?", that also runs on CPU).
 """
 from __future__ import annotations
 
-import warnings
-import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
-from .capture import GraphSpec
-from .grads import ddp_forward_active, grads_redirected
+from . import compat
+from .grads import grads_redirected
+from .records import CapturedGraph, GraphSpec, WarmupRecord
+
+__all__ = ["ReplayOptions", "Clock", "NO_CLOCK", "Runner", "GraphRunner", "EagerRunner", "run", "shapes_text"]
 
 _DOUBLE_BACKWARD = (
     "{name}: double backward (create_graph=True, or torch.autograd.grad(..., "
@@ -35,7 +37,7 @@ _DOUBLE_BACKWARD = (
 )
 
 
-@dataclass
+@dataclass(frozen=True)
 class ReplayOptions:
     """How calls of one make_graphed_callables call hand out gradients."""
 
@@ -63,6 +65,20 @@ class Clock:
         return self.tick
 
 
+class _NoClock:
+    """One sample set: nothing else shares the graphs' memory, the clock never ticks."""
+
+    tick = 0
+    shape = None
+
+    @staticmethod
+    def forward(variant: int, shape: Any) -> int:
+        return 0
+
+
+NO_CLOCK = _NoClock()
+
+
 class Invocation:
     """One forward call's state, kept on its autograd node until its backward."""
 
@@ -78,35 +94,24 @@ class Invocation:
         self.outputs = outputs  # eager replay only: the live outputs to backprop through
 
 
-class GraphRunner:
-    """Replays a captured forward/backward graph pair on its static buffers."""
+class Runner:
+    """What both runners share: the call's checks and bookkeeping around the static inputs.
 
-    def __init__(self, spec: GraphSpec, options: ReplayOptions, clock: Optional[Clock] = None, variant: int = 0):
-        self._bind(spec, clock, variant)
-        self.static_outputs = spec.output.tensors
-        self.non_differentiable = tuple(i for i, o in enumerate(self.static_outputs) if not o.requires_grad)
-        self.static_grad_outputs = spec.static_grad_outputs
-        self.static_grad_inputs = spec.static_grad_inputs
-        self.fwd_graph = spec.fwd_graph
-        self.bwd_graph = spec.bwd_graph
-        self.rng = spec.rng if spec.rng is not None and spec.rng.has_regions else None
-        self.sync_forward = spec.sync_forward
-        self.sync_backward = spec.sync_backward
-        self.param_grads = spec.param_grads
-        self.lends_grad_buffer = spec.lends_grad_buffer
-        self.always_autograd = options.always_autograd
-        self.clone_param_grads = options.clone_param_grads
+    Subclasses set ``static_inputs`` and ``output`` and implement ``forward``, ``backward``,
+    ``through_autograd`` and ``reset``.
+    """
 
-    def _bind(self, spec: GraphSpec, clock: Optional[Clock], variant: int) -> None:
-        """What every runner, graphed or eager, takes from its spec."""
+    static_inputs: tuple[torch.Tensor, ...]
+    output: Any
+    non_differentiable: tuple[int, ...] = ()
+
+    def __init__(self, spec: GraphSpec, clock: Any, variant: int):
         self.name = spec.name
         self.variant = variant
         self.layout = spec.layout
-        self.output = spec.output
         self.shape = tuple(t.shape for t in spec.layout.samples)
         self.differentiable = spec.needs_backward
         self.params = spec.params
-        self.static_inputs = spec.static_inputs
         self.retains_graph = spec.retain_graph
         # A leaf requiring grad passed to the autograd node on the in-graph path, so the node
         # exists (and its backward replays, accumulating the parameters' grads) even when no
@@ -116,15 +121,52 @@ class GraphRunner:
         self.clock = clock
         self.generation = 0
 
-    def through_autograd(self) -> bool:
-        """Whether this call's parameter grads must go through autograd (see ``grads``)."""
-        return self.always_autograd or ddp_forward_active() or self.param_grads.observed()
-
     def _copy_inputs(self, inputs: tuple[torch.Tensor, ...]) -> None:
         for static, t in zip(self.static_inputs, inputs):
             if t.data_ptr() != static.data_ptr():
                 static.copy_(t)
         self.generation += 1
+
+    def _check_fresh(self, invocation: Invocation) -> None:
+        invocation.backwards += 1
+        if invocation.backwards > 1 and not self.retains_graph:
+            raise RuntimeError(
+                f"{self.name}: a second backward through the same call needs the captured "
+                "autograd graph, which was freed after capture. Pass "
+                "retain_graph_in_backward=True to make_graphed_callables."
+            )
+        if invocation.generation != self.generation:
+            raise RuntimeError(
+                f"{self.name}: this backward belongs to a forward replay whose activations a later "
+                "forward replay of the same graph has overwritten. Run each backward before the "
+                "graph's next forward, or capture one graph per microbatch (order=...)."
+            )
+        if invocation.tick != self.clock.tick:
+            raise RuntimeError(
+                f"{self.name}: this backward belongs to a forward replay of shape "
+                f"{shapes_text(self.shape)}, but since then graphs of another sample set (shape "
+                f"{shapes_text(self.clock.shape)}) replayed, and the graphs of every shape share one "
+                "memory pool, so they overwrote its activations. Run the backwards of one shape "
+                "before the forwards of another (one shape per step)."
+            )
+
+
+class GraphRunner(Runner):
+    """Replays a captured forward/backward graph pair on its static buffers."""
+
+    def __init__(self, spec: GraphSpec, graph: CapturedGraph, options: ReplayOptions, clock: Any = NO_CLOCK, variant: int = 0):
+        super().__init__(spec, clock, variant)
+        self.graph = graph
+        self.static_inputs = graph.static_inputs
+        self.output = graph.output
+        self.static_outputs = graph.output.tensors
+        self.non_differentiable = tuple(i for i, o in enumerate(self.static_outputs) if not o.requires_grad)
+        self.always_autograd = options.always_autograd
+        self.clone_param_grads = options.clone_param_grads
+
+    def through_autograd(self) -> bool:
+        """Whether this call's parameter grads must go through autograd (see ``grads``)."""
+        return self.always_autograd or compat.ddp_forward_active() or self.graph.param_grads.observed()
 
     def _grad_copied(self, t: torch.Tensor, buffer: Optional[torch.Tensor]) -> bool:
         """Whether the grad of input ``t`` leaves the backward as a copy of its static buffer.
@@ -141,28 +183,31 @@ class GraphRunner:
         """
         if buffer is None or not t.requires_grad:
             return False
-        if t.is_leaf or t.retains_grad or t._backward_hooks:
+        if t.is_leaf or t.retains_grad or compat.tensor_hooks(t):
             return True
         node = t.grad_fn
         if type(node) is not _ReplayBackward or type(node.runner) is not GraphRunner:
             return True
-        return self.lends_grad_buffer and all(g is not buffer for g in node.runner.static_grad_outputs)
+        other = node.runner.graph
+        return other is None or (self.graph.lends_grad_buffer and all(g is not buffer for g in other.static_grad_outputs))
 
     def forward(self, inputs: tuple[torch.Tensor, ...], through_autograd: bool, with_backward: bool = True) -> tuple[Invocation, tuple]:
+        graph = self.graph
         self._copy_inputs(inputs)
-        copy_grads = tuple(map(self._grad_copied, inputs, self.static_grad_inputs)) if with_backward else ()
-        moved = self.sync_forward.before_replay(self.name) if self.sync_forward is not None else None
-        record = self.rng.record() if self.rng is not None and with_backward else ()
-        tick = self.clock.forward(self.variant, self.shape) if self.clock is not None else 0
-        self.fwd_graph.replay()
+        copy_grads = tuple(map(self._grad_copied, inputs, graph.static_grad_inputs)) if with_backward else ()
+        moved = graph.sync_forward.before_replay(self.name)
+        record = graph.rng.record() if with_backward else ()
+        tick = self.clock.forward(self.variant, self.shape)
+        graph.fwd_graph.replay()
         if moved:
-            self.sync_forward.after_replay(moved)
+            graph.sync_forward.after_replay(moved)
         outputs = tuple(o.detach() for o in self.static_outputs)
         return Invocation(self.generation, tick, record, copy_grads, through_autograd), outputs
 
     def backward(self, invocation: Invocation, grads: tuple) -> tuple:
         self._check_fresh(invocation)
-        for static, g in zip(self.static_grad_outputs, grads):
+        graph = self.graph
+        for static, g in zip(graph.static_grad_outputs, grads):
             if static is None:
                 continue
             if g is None:
@@ -171,87 +216,57 @@ class GraphRunner:
                 static.copy_(g)
         through_autograd = invocation.through_autograd
         if through_autograd:
-            self.param_grads.prepare_autograd()
+            graph.param_grads.prepare_autograd()
         else:
-            self.param_grads.prepare_in_graph()
+            graph.param_grads.prepare_in_graph()
         if invocation.record:
-            self.rng.restore(invocation.record)
-        moved = self.sync_backward.before_replay(self.name) if self.sync_backward is not None else None
-        self.bwd_graph.replay()
+            graph.rng.restore(invocation.record)
+        moved = graph.sync_backward.before_replay(self.name)
+        graph.bwd_graph.replay()
         if moved:
-            self.sync_backward.after_replay(moved)
+            graph.sync_backward.after_replay(moved)
         input_grads = tuple(
             None if g is None else (g.clone() if copy else g.detach())
-            for g, copy in zip(self.static_grad_inputs, invocation.copy_grads)
+            for g, copy in zip(graph.static_grad_inputs, invocation.copy_grads)
         )
         if through_autograd:
-            return input_grads + self.param_grads.for_autograd(self.clone_param_grads)
+            return input_grads + graph.param_grads.for_autograd(self.clone_param_grads)
         return input_grads + (None,) * len(self.anchor)
-
-    def _check_fresh(self, invocation: Invocation) -> None:
-        invocation.backwards += 1
-        if invocation.backwards > 1 and not self.retains_graph:
-            raise RuntimeError(
-                f"{self.name}: a second backward through the same call needs the captured "
-                "autograd graph, which was freed after capture. Pass "
-                "retain_graph_in_backward=True to make_graphed_callables."
-            )
-        if invocation.generation != self.generation:
-            raise RuntimeError(
-                f"{self.name}: this backward belongs to a forward replay whose activations a later "
-                "forward replay of the same graph has overwritten. Run each backward before the "
-                "graph's next forward, or capture one graph per microbatch (order=...)."
-            )
-        if self.clock is not None and invocation.tick != self.clock.tick:
-            raise RuntimeError(
-                f"{self.name}: this backward belongs to a forward replay of shape "
-                f"{_shapes(self.shape)}, but since then graphs of another sample set (shape "
-                f"{_shapes(self.clock.shape)}) replayed, and the graphs of every shape share one "
-                "memory pool, so they overwrote its activations. Run the backwards of one shape "
-                "before the forwards of another (one shape per step)."
-            )
 
     def reset(self) -> None:
         """Free the graphs and drop the static buffers (their pool memory goes back)."""
-        for graph in (self.fwd_graph, self.bwd_graph):
-            if graph is not None and hasattr(graph, "reset"):
-                graph.reset()
-        self.fwd_graph = self.bwd_graph = None
+        for captured in (self.graph.fwd_graph, self.graph.bwd_graph):
+            if captured is not None and hasattr(captured, "reset"):
+                captured.reset()
+        self.graph = None
         self.static_inputs = self.static_outputs = ()
-        self.static_grad_outputs = self.static_grad_inputs = ()
         self.output = None
-        self.rng = None
-        self.param_grads = None
 
 
-def _shapes(shape: Any) -> str:
-    return ", ".join(str(tuple(s)) for s in shape) if shape else "()"
-
-
-class EagerRunner(GraphRunner):
+class EagerRunner(Runner):
     """Same wrapper, no graphs: runs the callable on the static buffers at every call."""
 
-    def __init__(self, spec: GraphSpec, options: ReplayOptions, clock: Optional[Clock] = None, variant: int = 0):
-        self._bind(spec, clock, variant)
+    def __init__(self, spec: GraphSpec, warmup: WarmupRecord, clock: Any = NO_CLOCK, variant: int = 0):
+        super().__init__(spec, clock, variant)
         self.spec = spec
-        self.non_differentiable = ()
-        self.always_autograd = False
+        self.static_inputs = spec.static_inputs
+        self.output = warmup.output
 
     def through_autograd(self) -> bool:
         return False  # the real module runs: its parameters' hooks see autograd as usual
 
-    def forward(self, inputs, through_autograd, with_backward=True):
+    def forward(self, inputs: tuple[torch.Tensor, ...], through_autograd: bool, with_backward: bool = True) -> tuple[Invocation, tuple]:
         spec = self.spec
         self._copy_inputs(inputs)
-        tick = self.clock.forward(self.variant, self.shape) if self.clock is not None else 0
+        tick = self.clock.forward(self.variant, self.shape)
         args, kwargs = spec.layout.unflatten(self.static_inputs)
         with torch.enable_grad() if spec.needs_backward and with_backward else torch.no_grad():
-            outputs = spec.output.tensors_of(spec.call(*args, **kwargs))
+            outputs = self.output.tensors_of(spec.call(*args, **kwargs))
         # Its grads are the live backward's own tensors, never graph memory: nothing to copy.
         invocation = Invocation(self.generation, tick, (), (), False, outputs)
         return invocation, tuple(o.detach() for o in outputs)
 
-    def backward(self, invocation, grads):
+    def backward(self, invocation: Invocation, grads: tuple) -> tuple:
         self._check_fresh(invocation)
         pairs = [(o, g) for o, g in zip(invocation.outputs, grads) if o.requires_grad]
         with grads_redirected(self.spec.grad_inputs):
@@ -269,11 +284,15 @@ class EagerRunner(GraphRunner):
         self.output = None
 
 
+def shapes_text(shape: Any) -> str:
+    return ", ".join(str(tuple(s)) for s in shape) if shape else "()"
+
+
 class _Replay(torch.autograd.Function):
     """The autograd node of one call of a graphed callable."""
 
     @staticmethod
-    def forward(ctx, runner: GraphRunner, through_autograd: bool, *inputs: torch.Tensor) -> tuple:
+    def forward(ctx, runner: Runner, through_autograd: bool, *inputs: torch.Tensor) -> tuple:
         tensors = inputs[: len(runner.static_inputs)]
         invocation, outputs = runner.forward(tensors, through_autograd)
         ctx.runner = runner
@@ -290,15 +309,12 @@ class _Replay(torch.autograd.Function):
         return (None, None) + ctx.runner.backward(ctx.invocation, grads)
 
 
-_ReplayBackward = _Replay._backward_cls  # the autograd node class of every graphed call
-
-# Function.apply's Python wrapper unwraps functorch wrappers on every call (microseconds
-# per layer); with no functorch transform active the C implementation is called directly.
-_apply_directly = super(torch.autograd.function._SingleLevelFunction, _Replay).apply
-_functorch_active = torch._C._are_functorch_transforms_active
+_ReplayBackward = compat.backward_node_class(_Replay)  # the autograd node class of every graphed call
+_apply_directly = compat.direct_apply(_Replay)
+_functorch_active = compat.functorch_active
 
 
-def _forward_only_error(runner: GraphRunner) -> ValueError:
+def _forward_only_error(runner: Runner) -> ValueError:
     return ValueError(
         f"{runner.name}: called with grad enabled where its result would require grad (an "
         "input requires grad, or the module has trainable parameters), but it was graphed "
@@ -308,89 +324,7 @@ def _forward_only_error(runner: GraphRunner) -> ValueError:
     )
 
 
-# Every graphed callable alive in the process, for ``te_graph.reset()`` with no argument
-# (teardown before ``destroy_process_group``). Weak: it keeps nothing alive.
-LIVE_CALLABLES: "weakref.WeakSet[GraphedCallable]" = weakref.WeakSet()
-
-
-class GraphedCallable:
-    """What make_graphed_callables returns for one callable: call it like the original.
-
-    For a module, the graph runs only in the training mode it was captured in; in the other
-    mode the module's own forward runs eagerly. With several captured shapes, the shape of
-    the call's tensors picks the graph (one dict lookup); an unseen shape raises, or runs
-    eagerly when graphed with ``unseen_shape="eager"``.
-    """
-
-    def __init__(self, runners: list[GraphRunner], spec: GraphSpec, pool: Any, unseen_shape: str = "error"):
-        self._runners = {r.shape: r for r in runners}
-        # One shape and no eager fallback: the call's checks alone pick the graph.
-        self._single = runners[0] if len(runners) == 1 and unseen_shape == "error" else None
-        self._layout = spec.layout
-        self._module = spec.func if isinstance(spec.func, torch.nn.Module) else None
-        self._training = spec.training
-        self._eager = spec.call
-        self._unseen_shape = unseen_shape
-        self._warned = False
-        self._reset = False
-        self.pool = pool
-        self.__name__ = spec.name
-        LIVE_CALLABLES.add(self)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self._module is not None and self._module.training != self._training:
-            return self._eager(*args, **kwargs)
-        runner = self._single
-        if runner is None:
-            return self._dispatch(args, kwargs)
-        tensors = runner.layout.flatten(args, kwargs)
-        return runner.output.build(_run(runner, tensors))
-
-    def _dispatch(self, args: tuple, kwargs: dict) -> Any:
-        if self._reset:
-            raise RuntimeError(
-                f"{self.__name__}: this graphed callable was reset(), which freed its graphs and "
-                "buffers. Graph it again with make_graphed_callables; for a module, "
-                "`del module.forward` brings back its eager forward."
-            )
-        tensors = self._layout.gather(args, kwargs)
-        runner = self._runners.get(tuple(getattr(t, "shape", None) for t in tensors))
-        if runner is None:
-            return self._unseen(args, kwargs, tensors)
-        runner.layout.check(tensors)
-        return runner.output.build(_run(runner, tensors))
-
-    def _unseen(self, args: tuple, kwargs: dict, tensors: list) -> Any:
-        captured = "; ".join(_shapes(shape) for shape in self._runners)
-        got = _shapes(tuple(getattr(t, "shape", ()) for t in tensors))
-        if self._unseen_shape != "eager":
-            raise ValueError(
-                f"{self.__name__}: called with tensor shapes {got}, but graphs were captured for "
-                f"{captured}. Pass more_shapes=[...] to make_graphed_callables to capture this "
-                "shape too, or unseen_shape='eager' to run unseen shapes eagerly."
-            )
-        if not self._warned:
-            self._warned = True
-            warnings.warn(
-                f"{self.__name__}: no graph for tensor shapes {got} (captured: {captured}); "
-                "running it eagerly (unseen_shape='eager'). Warned once per callable.",
-                stacklevel=3,
-            )
-        return self._eager(*args, **kwargs)
-
-    def reset(self) -> None:
-        """Free this callable's graphs and static buffers; later calls raise (TE's reset())."""
-        for runner in self._runners.values():
-            runner.reset()
-        self._runners = {}
-        self._single = None
-        self._reset = True
-
-    def __repr__(self) -> str:
-        return f"<graphed {self.__name__}>"
-
-
-def _run(runner: GraphRunner, tensors: list) -> tuple:
+def run(runner: Runner, tensors: list) -> tuple:
     """Replay ``runner`` for one call: an autograd node when a backward may follow."""
     if not runner.differentiable:
         if torch.is_grad_enabled() and (runner.params or any(t.requires_grad for t in tensors)):
@@ -402,25 +336,3 @@ def _run(runner: GraphRunner, tensors: list) -> tuple:
     extra = runner.params if through_autograd else runner.anchor
     apply = _Replay.apply if _functorch_active() else _apply_directly
     return apply(runner, through_autograd, *tensors, *extra)
-
-
-def install_on_module(module: torch.nn.Module, graphed: GraphedCallable) -> None:
-    """Replace ``module.forward`` with the graphed callable (it keeps the original reachable
-    as ``module.forward.__wrapped__`` and runs it in the other training mode), and give the
-    module TE's ``reset()`` where it has no attribute of that name."""
-    graphed.__wrapped__ = module.forward  # type: ignore[attr-defined]
-    module.forward = graphed
-    if not hasattr(module, "reset"):
-        module.reset = graphed.reset
-
-
-def graphed_callable_of(obj: Any) -> Optional[GraphedCallable]:
-    """The GraphedCallable behind ``obj`` (itself, or a module whose forward it is)."""
-    if isinstance(obj, GraphedCallable):
-        return obj
-    if isinstance(obj, torch.nn.Module):
-        forward = obj.__dict__.get("forward")
-        if isinstance(forward, GraphedCallable):
-            return forward
-    return None
-

@@ -696,9 +696,9 @@ def test_warmup_hook_sees_the_streams_and_offsets_of_each_region():
         h = checkpoint(default_only, h)
         h = checkpoint(tracked_only, h)
         h = checkpoint(lambda t: t * 2, h)
-    draws.close()
-    assert [r.offsets for r in draws.regions] == [{rng.DEFAULT_STREAM: 4}, {MODEL_PARALLEL_RNG: 0}, {}]
-    assert draws.used == (rng.DEFAULT_STREAM, MODEL_PARALLEL_RNG)
+    use = draws.close()
+    assert [r.offsets for r in use.regions] == [{rng.DEFAULT_STREAM: 4}, {MODEL_PARALLEL_RNG: 0}, {}]
+    assert use.used == (rng.DEFAULT_STREAM, MODEL_PARALLEL_RNG)
 
 
 @REENTRANT

@@ -115,8 +115,13 @@ def test_te_spellings_and_arguments():
         make_graphed_callables((Lin(),), ((_x(),),), order=[1, -1], _order=[1, -1], eager_replay=True)
     with pytest.raises(NotImplementedError, match=r"FP8 capture is not supported"):
         make_graphed_callables(Lin(), (_x(),), fp8_enabled=True, eager_replay=True)
-    with pytest.raises(TypeError, match=r"unexpected keyword argument 'bogus'"):
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'bogus'; see help\(te_graph.make_graphed_callables\)"):
         make_graphed_callables(Lin(), (_x(),), bogus=1, eager_replay=True)
+    # A misspelt keyword gets the close name.
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'num_warmup_iter'; did you mean 'num_warmup_iters'\?"):
+        make_graphed_callables(Lin(), (_x(),), num_warmup_iter=2, eager_replay=True)
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'reuse_graph_input_output_buffer'; did you mean 'reuse_graph_input_output_buffers'\?"):
+        make_graphed_callables(Lin(), (_x(),), reuse_graph_input_output_buffer=True, eager_replay=True)
     # TE's spelling of the order works the same as ours (one layer, two microbatches).
     m = Lin()
     graphed = make_graphed_callables((m,), ((_x(),), (_x(),)), _order=[1, 1, -1, -1], fp8_enabled=False, eager_replay=True)

@@ -1,0 +1,223 @@
+"""The arguments of ``make_graphed_callables`` in one shape: the call forms (torch's and
+TE's), the sample sets (``sample_args``/``sample_kwargs`` and ``more_shapes``), the pool,
+and from them the frozen specs of the graphs to capture. Nothing here changes any state.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import torch
+
+from .checks import check_sample_kwargs
+from .graphed import graphed_callable_of
+from .hooks import normalise_capture_time_hooks
+from .options import GraphOptions
+from .records import GraphSpec, make_spec
+from .schedule import Schedule
+
+__all__ = ["Samples", "call_form", "sample_sets", "make_specs", "pool_handle", "largest_first"]
+
+
+@dataclass(frozen=True)
+class Samples:
+    """One more shape to capture (``more_shapes=``): sample args laid out like
+    ``sample_args``, and optionally sample kwargs laid out like ``sample_kwargs``."""
+
+    args: Any
+    kwargs: Any = None
+
+
+def call_form(modules: Any, callables: Any, sample_args: Any, sample_kwargs: Any, pool: Any) -> tuple[Any, Any, Any]:
+    """``(modules, sample_kwargs, pool)`` from any accepted call form: ``callables=``
+    (torch's name) and torch's pool as the 5th positional argument."""
+    if callables is not None:
+        if modules is not None:
+            raise TypeError("make_graphed_callables: got both modules and callables=; pass one of them.")
+        modules = callables
+    if modules is None or sample_args is None:
+        raise TypeError("make_graphed_callables() needs the callables and their sample_args.")
+    if sample_kwargs is not None and _looks_like_pool(sample_kwargs):
+        # torch.cuda.make_graphed_callables takes the pool as its 5th positional argument.
+        if pool is not None:
+            raise TypeError("make_graphed_callables: got a pool positionally and pool=; pass one.")
+        sample_kwargs, pool = None, sample_kwargs
+    return modules, sample_kwargs, pool
+
+
+def sample_sets(sample_args: Any, sample_kwargs: Any, more_shapes: Sequence[Any], single: bool, num_callables: int) -> list[tuple[tuple, tuple]]:
+    """Per sample set (``sample_args`` first, then each ``more_shapes`` entry): a tuple of
+    sample args per graph and a dict of sample kwargs per graph."""
+    variants = [(sample_args, sample_kwargs)] + [_variant(v) for v in more_shapes]
+    normalised = [_normalise_samples(a, k, single, num_callables) for a, k in variants]
+    normalised = _same_keywords(normalised, [k is None for _, k in variants])
+    for args, kwargs in normalised:
+        if len(args) != len(normalised[0][0]):
+            raise ValueError(
+                f"make_graphed_callables: a more_shapes entry has {len(args)} sample args but "
+                f"sample_args has {len(normalised[0][0])}; lay each entry out like sample_args."
+            )
+        check_sample_kwargs(args, kwargs)
+    return normalised
+
+
+def make_specs(
+    callables: Sequence[Callable], sets: Sequence[tuple[tuple, tuple]], schedule: Schedule, options: GraphOptions
+) -> list[list[GraphSpec]]:
+    """One frozen spec per graph of the schedule, per sample set."""
+    owners = [_name(c, i) for i, c in enumerate(callables)]
+    hooks = normalise_capture_time_hooks(options.capture_time_hooks, owners)
+    grad_enabled = torch.is_grad_enabled()
+    ordered = options.order is not None
+    spec_sets = [
+        [
+            make_spec(
+                owners[slot.callable_index] + (f", microbatch {slot.microbatch}" if ordered else ""),
+                owners[slot.callable_index],
+                callables[slot.callable_index],
+                args[slot.flat_index],
+                kwargs[slot.flat_index],
+                grad_enabled,
+                options.retain_graph_in_backward,
+                hooks[slot.callable_index],
+            )
+            for slot in schedule.graphs
+        ]
+        for args, kwargs in sets
+    ]
+    _check_distinct_shapes(spec_sets)
+    return spec_sets
+
+
+def largest_first(spec_sets: Sequence[Sequence[GraphSpec]]) -> list[int]:
+    """The sample sets' indices, largest first: later (smaller) captures then fit into the
+    memory the first one freed."""
+    return sorted(range(len(spec_sets)), key=lambda i: _size(spec_sets[i]), reverse=True)
+
+
+def _variant(entry: Any) -> tuple[Any, Any]:
+    return (entry.args, entry.kwargs) if isinstance(entry, Samples) else (entry, None)
+
+
+def _normalise_samples(sample_args: Any, sample_kwargs: Any, single: bool, num_callables: int) -> tuple[tuple, tuple]:
+    """Per graph, a tuple of sample args and a dict of sample kwargs."""
+    if isinstance(sample_args, torch.Tensor) and not single:
+        raise TypeError(
+            f"make_graphed_callables: sample_args is a single tensor for {num_callables} "
+            "callables; give a tuple with one tuple of sample tensors per callable, e.g. "
+            "tuple((x,) for _ in modules)."
+        )
+    if single:
+        sample_args = (sample_args,)
+        sample_kwargs = (sample_kwargs,) if sample_kwargs is not None else None
+    elif isinstance(sample_kwargs, Mapping):
+        raise TypeError(
+            "make_graphed_callables: sample_kwargs is one dict, but several callables were "
+            "given; pass a tuple with one dict per callable (the same layout as sample_args)."
+        )
+    if not isinstance(sample_args, (tuple, list)):
+        raise TypeError(
+            f"make_graphed_callables: sample_args is a {type(sample_args).__name__}; give a "
+            "tuple with one tuple of sample tensors per callable."
+        )
+    args = tuple(tuple(a) if isinstance(a, (tuple, list)) else (a,) for a in sample_args)
+    if sample_kwargs is None:
+        return args, ({},) * len(args)
+    if not isinstance(sample_kwargs, (tuple, list)):
+        raise TypeError(
+            f"make_graphed_callables: sample_kwargs is a {type(sample_kwargs).__name__}; give a "
+            "tuple with one dict per callable."
+        )
+    return args, tuple(dict(k or {}) for k in sample_kwargs)
+
+
+def _same_keywords(normalised: list[tuple[tuple, tuple]], plain: list[bool]) -> list[tuple[tuple, tuple]]:
+    """Every sample set has the keywords of ``sample_kwargs``: a ``more_shapes`` entry
+    without kwargs takes them when they hold no tensor (tensors change shape with the
+    sample set); keys and constants must match, since a call's keywords pick no graph."""
+    base_args, base_kwargs = normalised[0]
+    result = [normalised[0]]
+    for number, ((args, kwargs), no_kwargs) in enumerate(zip(normalised[1:], plain[1:]), start=1):
+        if no_kwargs and any(base_kwargs):
+            if any(isinstance(v, torch.Tensor) for k in base_kwargs for v in k.values()):
+                raise ValueError(
+                    f"make_graphed_callables: more_shapes entry {number - 1} has no sample kwargs, "
+                    "but sample_kwargs holds tensors, whose shapes follow the sample set; give "
+                    "that entry as te_graph.Samples(args, kwargs)."
+                )
+            kwargs = base_kwargs
+        for slot, (mine, base) in enumerate(zip(kwargs, base_kwargs)):
+            constants = {k: v for k, v in base.items() if not isinstance(v, torch.Tensor)}
+            same_constants = all(
+                key in mine and not isinstance(mine[key], torch.Tensor) and mine[key] == value
+                for key, value in constants.items()
+            )
+            if mine.keys() != base.keys() or not same_constants:
+                raise ValueError(
+                    f"make_graphed_callables: the sample kwargs of more_shapes entry {number - 1} "
+                    f"(graph {slot}) have keys {sorted(mine)} and constants "
+                    f"{ {k: v for k, v in mine.items() if not isinstance(v, torch.Tensor)} }, but "
+                    f"sample_kwargs has {sorted(base)} and {constants}; every shape must take the "
+                    "same keywords and the same constant values (only tensor shapes may differ)."
+                )
+        result.append((args, kwargs))
+    return result
+
+
+def _check_distinct_shapes(spec_sets: list[list[GraphSpec]]) -> None:
+    for i in range(len(spec_sets[0])):
+        shapes = [tuple(t.shape for t in specs[i].layout.samples) for specs in spec_sets]
+        if len(set(shapes)) != len(shapes):
+            raise ValueError(
+                f"make_graphed_callables: more_shapes repeats the sample shapes of "
+                f"{spec_sets[0][i].name}; each sample set must have its own shapes (the shapes "
+                "pick the graph at call time)."
+            )
+
+
+def _size(specs: list[GraphSpec]) -> int:
+    return sum(t.numel() for s in specs for t in s.layout.samples)
+
+
+def _looks_like_pool(value: Any) -> bool:
+    return (
+        _is_handle(value)
+        or _is_mempool(value)
+        or graphed_callable_of(value) is not None
+    )
+
+
+def _is_handle(value: Any) -> bool:
+    return isinstance(value, tuple) and len(value) == 2 and all(isinstance(v, int) for v in value)
+
+
+def _is_mempool(value: Any) -> bool:
+    mempool = getattr(torch.cuda, "MemPool", None)
+    return mempool is not None and isinstance(value, mempool)
+
+
+def pool_handle(pool: Any, eager_replay: bool) -> Optional[tuple[int, int]]:
+    """A capture pool handle from anything ``pool=`` accepts (None in eager replay)."""
+    if pool is None or _is_handle(pool):
+        return None if eager_replay else pool
+    if _is_mempool(pool):
+        return None if eager_replay else pool.id
+    graphed = graphed_callable_of(pool)
+    if graphed is not None:
+        if eager_replay:
+            return None
+        if graphed.pool is None:
+            raise ValueError(
+                "make_graphed_callables: pool= names a graphed callable made in eager replay, "
+                "which has no memory pool; pass a graph_pool_handle() instead."
+            )
+        return graphed.pool
+    raise TypeError(
+        f"make_graphed_callables: pool is a {type(pool).__name__}; pass te_graph.graph_pool_handle(), "
+        "a torch.cuda.MemPool, or a graphed callable whose pool to share."
+    )
+
+
+def _name(func: Callable, index: int) -> str:
+    kind = type(func).__name__ if isinstance(func, torch.nn.Module) else getattr(func, "__name__", "function")
+    return f"callable {index} ({kind})"

@@ -1,0 +1,153 @@
+"""Every use of a torch private or a version-dependent path in ``te_graph``, in one place.
+
+Each entry says which torch versions it is for and which upstream issue or pull request
+would let it go, so it can be removed when the minimum torch moves. Nothing else in
+``te_graph`` reaches into torch privates. (``rng`` keeps its own one version switch,
+``rng.generator_registration_required``, for torch 2.14's lazy generator registration,
+pytorch/pytorch#176753; ``checkpointing`` uses ``torch.autograd._is_checkpoint_valid`` and
+``torch._assert_async``, documented where they are called.)
+"""
+from __future__ import annotations
+
+import operator
+import warnings
+from typing import Any, Callable, Sequence
+
+import torch
+
+import rng
+
+__all__ = [
+    "direct_apply",
+    "functorch_active",
+    "backward_node_class",
+    "ddp_forward_active",
+    "register_generators",
+    "end_generator_capture",
+    "weak_alias",
+    "tensor_hooks",
+    "post_accumulate_hooks",
+    "HAS_POST_ACCUMULATE_HOOKS",
+    "module_hook_dicts",
+    "parameter_slots",
+    "buffer_slots",
+    "zero_",
+]
+
+
+# -- autograd.Function.apply without the functorch wrapper ----------------------------------
+# torch 2.4-2.13: Function.apply is a Python wrapper that unwraps dead functorch wrappers of
+# every argument on every call (microseconds per graphed layer; pytorch/pytorch#189573, being
+# moved into C++ by #179332 and #190694). With no functorch transform active, the C
+# implementation underneath is what runs anyway, so it is called directly. Where the class
+# layout differs (the private `_SingleLevelFunction` is gone), the public apply is used.
+def direct_apply(function: type) -> Callable[..., Any]:
+    """``function``'s C-level apply, to call when ``functorch_active()`` is False (the
+    public ``apply`` where torch's class layout differs)."""
+    single_level = getattr(torch.autograd.function, "_SingleLevelFunction", None)
+    if single_level is None or not issubclass(function, single_level):
+        return function.apply
+    return super(single_level, function).apply
+
+
+functorch_active: Callable[[], bool] = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
+
+
+def backward_node_class(function: type) -> type:
+    """The autograd node class of a custom Function's calls (``Function._backward_cls``,
+    private but unchanged since torch 1.x; torch has no public way to tell a node's
+    Function). te_graph uses it to recognise a graphed call in a tensor's ``grad_fn``."""
+    return function._backward_cls
+
+
+# -- DDP ------------------------------------------------------------------------------------
+try:  # torch built without distributed has no DDP
+    from torch.nn.parallel import DistributedDataParallel as _DDP
+except ImportError:  # pragma: no cover
+    _DDP = None
+
+
+def ddp_forward_active() -> bool:
+    """True inside the forward of a ``DistributedDataParallel`` module.
+
+    Reads DDP's private class attribute ``_active_ddp_module`` (torch >= 1.13, added for
+    TorchDynamo's DDP optimizer, pytorch/torchdynamo#628); absent, DDP is not detected and
+    the gradients of a graphed layer under DDP would skip its reducer hooks, so the
+    attribute's presence is checked by tests/test_multi_gpu.py's DDP rows.
+    """
+    return _DDP is not None and getattr(_DDP, "_active_ddp_module", None) is not None
+
+
+# -- generators and capture -----------------------------------------------------------------
+def register_generators(graph: Any, generators: Sequence[torch.Generator]) -> None:
+    """Register the generators a capture draws from (torch 2.4-2.13 need it; torch 2.14
+    registers lazily and warns on the call, pytorch/pytorch#176753)."""
+    if generators and rng.generator_registration_required():
+        for generator in generators:
+            graph.register_generator_state(generator)
+
+
+def end_generator_capture(generators: Sequence[torch.Generator]) -> None:
+    """Take generators out of capture mode after a failed capture.
+
+    When ``capture_end`` fails (or is never reached), torch (checked on 2.11) skips the
+    capture epilogue of every generator the graph registered, and every later random draw
+    on them fails (pytorch/pytorch#171263; #171265 moves the cleanup into
+    ``CUDAGraph::reset``). An empty capture registering the same generators runs it.
+    """
+    graph = torch.cuda.CUDAGraph()
+    register_generators(graph, generators)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "The CUDA Graph is empty"
+        graph.capture_begin(capture_error_mode="thread_local")
+        graph.capture_end()
+
+
+# -- memory ---------------------------------------------------------------------------------
+def weak_alias(t: torch.Tensor) -> torch.Tensor:
+    """A tensor viewing ``t``'s memory without keeping it allocated (the allocator may hand
+    the memory to later allocations; the alias sees whatever is written there).
+
+    Uses ``torch._C._construct_storage_from_data_pointer``, private, as torch's own CUDA
+    graph trees do (torch/_inductor/cudagraph_trees.py) for the same purpose; torch has no
+    public non-owning storage.
+    """
+    storage = torch._C._construct_storage_from_data_pointer(
+        t.untyped_storage().data_ptr(), t.device, t.untyped_storage().nbytes()
+    )
+    alias = torch.empty((), dtype=t.dtype, device=t.device)
+    alias.set_(storage, t.storage_offset(), t.shape, t.stride())
+    return alias.requires_grad_(t.requires_grad)
+
+
+def zero_(tensors: Sequence[torch.Tensor]) -> None:
+    """Zero several tensors in one launch (``torch._foreach_zero_``, as torch.optim does)."""
+    if tensors:
+        torch._foreach_zero_(list(tensors))
+
+
+# -- hooks, parameters and buffers ----------------------------------------------------------
+# Tensors keep their hooks in private dicts (``_backward_hooks``, torch 1.x on;
+# ``_post_accumulate_grad_hooks``, torch >= 2.1); torch has no public "has hooks" query.
+# Read on the hot path, so they are attribute getters (C-level reads).
+tensor_hooks = operator.attrgetter("_backward_hooks")
+post_accumulate_hooks = operator.attrgetter("_post_accumulate_grad_hooks")
+HAS_POST_ACCUMULATE_HOOKS = hasattr(torch.Tensor, "register_post_accumulate_grad_hook")
+
+_MODULE_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def module_hook_dicts(module: torch.nn.Module) -> list[str]:
+    """The kinds of hook registered on ``module`` (nn.Module's private hook dicts)."""
+    return [kind for kind in _MODULE_HOOK_DICTS if getattr(module, kind, None)]
+
+
+def parameter_slots(module: torch.nn.Module) -> dict:
+    """``module._parameters``: the dict to swap a parameter in without ``__setattr__``
+    (which refuses a plain tensor and runs registration hooks)."""
+    return module._parameters
+
+
+def buffer_slots(module: torch.nn.Module) -> dict:
+    """``module._buffers``: the dict holding the module's own buffers."""
+    return module._buffers

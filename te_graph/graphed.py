@@ -1,0 +1,112 @@
+"""What ``make_graphed_callables`` hands back: a callable that picks a runner and replays it.
+
+For a module, the graph runs only in the training mode it was captured in; in the other
+mode the module's own forward runs eagerly. With several captured shapes, the shape of the
+call's tensors picks the graph (one dict lookup); an unseen shape raises, or runs eagerly
+when graphed with ``unseen_shape="eager"``.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Optional
+
+import torch
+
+from .records import GraphSpec
+from .replay import Runner, run, shapes_text
+from .resources import RESOURCES
+
+__all__ = ["GraphedCallable", "install_on_module", "graphed_callable_of"]
+
+
+class GraphedCallable:
+    """One graphed callable (one per callable, or per (layer, microbatch) under an order):
+    call it like the original."""
+
+    def __init__(self, runners: list[Runner], spec: GraphSpec, pool: Any, unseen_shape: str = "error"):
+        self._runners = {r.shape: r for r in runners}
+        # One shape and no eager fallback: the call's checks alone pick the graph.
+        self._single = runners[0] if len(runners) == 1 and unseen_shape == "error" else None
+        self._layout = spec.layout
+        self._module = spec.func if isinstance(spec.func, torch.nn.Module) else None
+        self._training = spec.training
+        self._eager = spec.call
+        self._unseen_shape = unseen_shape
+        self._warned = False
+        self._reset = False
+        self.pool = pool
+        self.__name__ = spec.name
+        RESOURCES.add_callable(self)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._module is not None and self._module.training != self._training:
+            return self._eager(*args, **kwargs)
+        runner = self._single
+        if runner is None:
+            return self._dispatch(args, kwargs)
+        tensors = runner.layout.flatten(args, kwargs)
+        return runner.output.build(run(runner, tensors))
+
+    def _dispatch(self, args: tuple, kwargs: dict) -> Any:
+        if self._reset:
+            raise RuntimeError(
+                f"{self.__name__}: this graphed callable was reset(), which freed its graphs and "
+                "buffers. Graph it again with make_graphed_callables; for a module, "
+                "`del module.forward` brings back its eager forward."
+            )
+        tensors = self._layout.gather(args, kwargs)
+        runner = self._runners.get(tuple(getattr(t, "shape", None) for t in tensors))
+        if runner is None:
+            return self._unseen(args, kwargs, tensors)
+        runner.layout.check(tensors)
+        return runner.output.build(run(runner, tensors))
+
+    def _unseen(self, args: tuple, kwargs: dict, tensors: list) -> Any:
+        captured = "; ".join(shapes_text(shape) for shape in self._runners)
+        got = shapes_text(tuple(getattr(t, "shape", ()) for t in tensors))
+        if self._unseen_shape != "eager":
+            raise ValueError(
+                f"{self.__name__}: called with tensor shapes {got}, but graphs were captured for "
+                f"{captured}. Pass more_shapes=[...] to make_graphed_callables to capture this "
+                "shape too, or unseen_shape='eager' to run unseen shapes eagerly."
+            )
+        if not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"{self.__name__}: no graph for tensor shapes {got} (captured: {captured}); "
+                "running it eagerly (unseen_shape='eager'). Warned once per callable.",
+                stacklevel=3,
+            )
+        return self._eager(*args, **kwargs)
+
+    def reset(self) -> None:
+        """Free this callable's graphs and static buffers; later calls raise (TE's reset())."""
+        for runner in self._runners.values():
+            runner.reset()
+        self._runners = {}
+        self._single = None
+        self._reset = True
+
+    def __repr__(self) -> str:
+        return f"<graphed {self.__name__}>"
+
+
+def install_on_module(module: torch.nn.Module, graphed: GraphedCallable) -> None:
+    """Replace ``module.forward`` with the graphed callable (it keeps the original reachable
+    as ``module.forward.__wrapped__`` and runs it in the other training mode), and give the
+    module TE's ``reset()`` where it has no attribute of that name."""
+    graphed.__wrapped__ = module.forward  # type: ignore[attr-defined]
+    module.forward = graphed
+    if not hasattr(module, "reset"):
+        module.reset = graphed.reset
+
+
+def graphed_callable_of(obj: Any) -> Optional[GraphedCallable]:
+    """The GraphedCallable behind ``obj`` (itself, or a module whose forward it is)."""
+    if isinstance(obj, GraphedCallable):
+        return obj
+    if isinstance(obj, torch.nn.Module):
+        forward = obj.__dict__.get("forward")
+        if isinstance(forward, GraphedCallable):
+            return forward
+    return None

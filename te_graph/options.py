@@ -1,0 +1,132 @@
+"""The options of one ``make_graphed_callables`` call: normalised, checked, then frozen.
+
+Accepts Transformer Engine's spellings of the same options (``_order``,
+``_num_layers_per_chunk``, ``_reuse_graph_input_output_buffers``), so callers written for
+TE work unchanged, and refuses anything else it does not know, suggesting the close name.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+__all__ = ["GraphOptions", "graph_options", "eager_replay_default"]
+
+_TE_ALIASES = {
+    "_order": "order",
+    "_num_layers_per_chunk": "num_layers_per_chunk",
+    "_reuse_graph_input_output_buffers": "reuse_graph_input_output_buffers",
+}
+# Transformer Engine arguments accepted for drop-in calls, as long as FP8 stays off.
+_TE_FP8_ARGS = (
+    "fp8_enabled", "fp8_calibrating", "fp8_recipe", "fp8_group", "fp8_weight_caching",
+    "enabled", "calibrating", "recipe", "amax_reduction_group", "cache_quantized_params",
+)
+_CALL_FORM_ARGS = ("modules", "callables", "sample_args", "sample_kwargs")
+_CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
+
+
+def eager_replay_default() -> bool:
+    """``TE_GRAPH_EAGER_REPLAY=1`` turns eager replay on for every call that does not say."""
+    return os.environ.get("TE_GRAPH_EAGER_REPLAY", "0").strip() in ("1", "true", "True", "yes")
+
+
+@dataclass(frozen=True)
+class GraphOptions:
+    """Everything a ``make_graphed_callables`` call was asked besides callables and samples
+    (see its docstring for each)."""
+
+    num_warmup_iters: int = 3
+    allow_unused_input: bool = False
+    order: Optional[tuple[int, ...]] = None
+    num_layers_per_chunk: Any = None
+    pool: Any = None  # as given; api resolves it to a handle
+    retain_graph_in_backward: bool = False
+    reuse_graph_input_output_buffers: bool = False
+    accumulate_grads_in_graph: Optional[bool] = None
+    clone_param_grads_on_return: bool = True
+    capture_time_hooks: Optional[Sequence[Optional[Mapping[str, Any]]]] = None
+    pre_warmup_hook: Optional[Callable[[], None]] = None
+    post_warmup_hook: Optional[Callable[[], None]] = None
+    capture_error_mode: str = "thread_local"
+    more_shapes: tuple = ()
+    unseen_shape: str = "error"
+    eager_replay: bool = False
+    get_rng_state_tracker: Optional[Callable[[], Any]] = None
+
+
+def graph_options(te_arguments: Mapping[str, Any], **given: Any) -> GraphOptions:
+    """``given`` (make_graphed_callables' own keywords) with TE's spellings in
+    ``te_arguments`` folded in, checked; nothing has been changed when this raises."""
+    options = dict(given)
+    for name, value in te_arguments.items():
+        if name in _TE_ALIASES:
+            target = _TE_ALIASES[name]
+            if options[target] not in (None, False) and value not in (None, False):
+                raise TypeError(f"make_graphed_callables: got both {target}= and {name}=; pass one of them.")
+            if value not in (None, False):
+                options[target] = value
+        elif name in _TE_FP8_ARGS:
+            if value not in (None, False):
+                raise NotImplementedError(
+                    f"make_graphed_callables: FP8 capture is not supported ({name}={value!r}); "
+                    "call Transformer Engine's make_graphed_callables for FP8 layers, or leave "
+                    "the fp8 arguments off."
+                )
+        else:
+            raise TypeError(_unexpected_keyword(name))
+    if options["eager_replay"] is None:
+        options["eager_replay"] = eager_replay_default()
+    if options["order"] is not None:
+        options["order"] = tuple(options["order"])
+    options["more_shapes"] = tuple(options["more_shapes"])
+    result = GraphOptions(**options)
+    _check(result)
+    return result
+
+
+def _unexpected_keyword(name: str) -> str:
+    known = [f.name for f in dataclasses.fields(GraphOptions)] + list(_CALL_FORM_ARGS) + list(_TE_ALIASES) + list(_TE_FP8_ARGS)
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    hint = f"; did you mean {close[0]!r}?" if close else "; see help(te_graph.make_graphed_callables) for the accepted ones."
+    return f"make_graphed_callables() got an unexpected keyword argument {name!r}{hint}"
+
+
+def _check(options: GraphOptions) -> None:
+    """The option values on their own (the callables and samples are checked in ``checks``)."""
+    warmup = options.num_warmup_iters
+    if isinstance(warmup, bool) or not isinstance(warmup, int):
+        raise TypeError(
+            f"make_graphed_callables: num_warmup_iters must be an int, got {warmup!r} "
+            f"({type(warmup).__name__})."
+        )
+    if warmup < 1:
+        raise ValueError(
+            f"make_graphed_callables: num_warmup_iters={warmup}; at least 1 warmup pass is "
+            "needed (it also learns which random streams each recomputed region uses)."
+        )
+    if options.capture_error_mode not in _CAPTURE_ERROR_MODES:
+        raise ValueError(
+            f"make_graphed_callables: capture_error_mode={options.capture_error_mode!r}; use one of "
+            f"{', '.join(map(repr, _CAPTURE_ERROR_MODES))}."
+        )
+    if options.unseen_shape not in ("error", "eager"):
+        raise ValueError(f"make_graphed_callables: unseen_shape={options.unseen_shape!r}; use 'error' or 'eager'.")
+    if options.order is not None and any(
+        not isinstance(c, bool) and isinstance(c, float) and not float(c).is_integer() for c in options.order
+    ):
+        raise NotImplementedError(
+            "make_graphed_callables: order holds fractional entries (Transformer Engine's "
+            "wgrad-split schedule, -c-0.5 with backward_dw()). Splitting a plain module's "
+            "weight-gradient work out of its backward is not supported: autograd computes "
+            "input and weight gradients in the same nodes. Use the integer order (each "
+            "backward then includes its weight gradients)."
+        )
+    if options.reuse_graph_input_output_buffers and options.order is None:
+        raise ValueError(
+            "make_graphed_callables: reuse_graph_input_output_buffers=True needs order=... "
+            "(TE's _order): buffers are reused by forwards that run after an earlier "
+            "microbatch's backward, and without a schedule no forward does."
+        )

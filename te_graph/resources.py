@@ -1,0 +1,73 @@
+"""The process-wide resources of te_graph: one owner, one teardown.
+
+* **Capture streams**, one per device, shared by every warmup and capture: cuBLAS keeps a
+  workspace per (handle, stream) for the life of the process (tens of MiB on Hopper) and
+  captured graphs bake in its address, so a new stream per call would add a set of
+  workspaces for every ``make_graphed_callables`` call.
+* **Parameter-gradient buffers**, one per trainable parameter, at a fixed address, shared
+  by every graph that uses the parameter (``grads``). Held weakly: a buffer lives as long as
+  a graph that accumulates into it or the parameter's ``.grad`` holds it.
+* **Live graphed callables**, held weakly, so that ``te_graph.reset()`` with no argument
+  can free every graph (teardown before ``destroy_process_group``).
+
+``RESOURCES`` is the one instance; ``RESOURCES.teardown()`` (what ``te_graph.reset()``
+calls) frees the graphs and forgets the rest.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Iterator, Protocol
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+__all__ = ["ProcessResources", "RESOURCES"]
+
+
+class _Resettable(Protocol):
+    def reset(self) -> None: ...
+
+
+class ProcessResources:
+    """What te_graph keeps for the life of the process, and its teardown."""
+
+    def __init__(self) -> None:
+        self._streams: dict[int, torch.cuda.Stream] = {}
+        # Keyed by identity (a plain WeakKeyDictionary would compare tensors with ``==``).
+        self._grad_buffers = WeakIdKeyDictionary()
+        self._callables: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+    def capture_stream(self) -> "torch.cuda.Stream":
+        """The side stream of the current device for every warmup and capture."""
+        device = torch.cuda.current_device()
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        return self._streams[device]
+
+    def grad_buffer(self, param: torch.Tensor) -> torch.Tensor:
+        """The persistent buffer ``param``'s gradient is accumulated into by every graph."""
+        ref = self._grad_buffers.get(param)
+        buffer = ref() if ref is not None else None
+        if buffer is None:
+            buffer = torch.zeros_like(param)
+            self._grad_buffers[param] = weakref.ref(buffer)
+        return buffer
+
+    def add_callable(self, graphed: _Resettable) -> None:
+        """Track a graphed callable for ``teardown`` (weakly: it keeps nothing alive)."""
+        self._callables.add(graphed)
+
+    def live_callables(self) -> Iterator[_Resettable]:
+        return iter(list(self._callables))
+
+    def teardown(self) -> None:
+        """Free every graphed callable's graphs and buffers, and forget the streams and
+        gradient buffers (later captures make new ones)."""
+        for graphed in self.live_callables():
+            graphed.reset()
+        self._callables = weakref.WeakSet()
+        self._streams = {}
+        self._grad_buffers = WeakIdKeyDictionary()
+
+
+RESOURCES = ProcessResources()
