@@ -1,6 +1,7 @@
 """Warmup and capture: the algorithm, told top to bottom.
 
-1. Save what warmup and capture will touch: RNG states, module buffers; put stand-ins in
+1. Save what warmup and capture will touch: RNG states, module buffers, inputs the
+   callables update in place (found in the first warmup pass); put stand-ins in
    place of the trainable parameters (``parameters``), so autograd accumulates into them
    and no hook of a real parameter runs while we prepare the graphs.
 2. Warm up (``warmup``), on the side stream later used for capture: one
@@ -34,7 +35,7 @@ from checkpointing.capture_hook import capture_hook_set
 from . import compat
 from .grads import ParamGrads, grads_redirected
 from .layout import OutputLayout
-from .module_state import ModuleBuffers
+from .module_state import InputUpdates, ModuleBuffers
 from .parameters import StandIns
 from .plan import GraphLayout, GraphPlan, TensorMeta, plan_capture
 from .recompute_rng import NO_SYNC, RecomputeRNG, TrackerSync
@@ -82,6 +83,7 @@ def prepare_graphs(spec_sets: Sequence[Sequence[GraphSpec]], steps: Sequence[Ste
     modules = _unique_modules(specs)
     buffers = ModuleBuffers(modules.values(), modules.keys())
     stand_ins = StandIns(modules.values())
+    updates = InputUpdates()
     snapshot = rng.snapshot_streams(options.tracker)
     gc_enabled = gc.isenabled()
     stream = None
@@ -101,7 +103,7 @@ def prepare_graphs(spec_sets: Sequence[Sequence[GraphSpec]], steps: Sequence[Ste
                     options.pre_warmup_hook()
                 warmups = [
                     warm_up(shape_specs, steps, options.num_warmup_iters, options.allow_unused_input,
-                            options.tracker, not options.eager_replay, stand_ins, buffers)
+                            options.tracker, not options.eager_replay, stand_ins, buffers, updates)
                     for shape_specs in spec_sets
                 ]
                 if options.post_warmup_hook is not None:
@@ -127,6 +129,7 @@ def prepare_graphs(spec_sets: Sequence[Sequence[GraphSpec]], steps: Sequence[Ste
             gc.enable()
         rng.restore_streams(options.tracker, snapshot)
         buffers.restore()
+        updates.restore()
 
 
 def _plan(specs: Sequence[GraphSpec], warmups: Sequence[WarmupRecord], steps, options: CaptureOptions) -> tuple[GraphPlan, ...]:
@@ -240,6 +243,7 @@ def _record(forward: _Forward, bwd_graph, grad_outputs, grad_inputs, param_grads
             if warmup.backward_draws is not None else NO_SYNC
         ),
         lends_grad_buffer=plan.lends_grad_buffer,
+        updated_inputs=warmup.updated,
     )
 
 

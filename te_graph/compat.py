@@ -32,6 +32,8 @@ __all__ = [
     "parameter_slots",
     "buffer_slots",
     "zero_",
+    "version_of",
+    "bump_version",
 ]
 
 
@@ -124,6 +126,14 @@ def zero_(tensors: Sequence[torch.Tensor]) -> None:
     """Zero several tensors in one launch (``torch._foreach_zero_``, as torch.optim does)."""
     if tensors:
         torch._foreach_zero_(list(tensors))
+
+
+# In-place updates are tracked by each tensor's version counter (``Tensor._version``,
+# private, unchanged since torch 1.x; autograd's saved-tensor checks read it). A graph replay
+# updates memory without bumping it, so te_graph bumps it where eager code would have
+# (``torch.autograd.graph.increment_version``, public since torch 2.1).
+version_of = operator.attrgetter("_version")
+bump_version: Callable[[torch.Tensor], None] = torch.autograd.graph.increment_version
 
 
 # -- hooks, parameters and buffers ----------------------------------------------------------

@@ -127,7 +127,7 @@ class InputLayout:
                 raise self._mismatch(index, t)
             if t.requires_grad and not grad:
                 raise ValueError(
-                    f"{self.name}: {self._label(index)} requires grad, but its sample did not, so "
+                    f"{self.name}: {self.label(index)} requires grad, but its sample did not, so "
                     "the graph computes no gradient for it. Capture with a sample that requires "
                     "grad (the requires_grad of each sample must match the real inputs)."
                 )
@@ -139,7 +139,8 @@ class InputLayout:
         kwargs.update(zip(self.tensor_keys, tensors[self.num_args :]))
         return args, {k: kwargs[k] for k in self.kw_keys}
 
-    def _label(self, index: int) -> str:
+    def label(self, index: int) -> str:
+        """How error messages name static input ``index``."""
         if index < self.num_args:
             return f"positional input {index}"
         return f"keyword argument {self.tensor_keys[index - self.num_args]!r}"
@@ -147,7 +148,7 @@ class InputLayout:
     def _mismatch(self, index: int, t: Any) -> ValueError:
         got = describe(t) if isinstance(t, torch.Tensor) else type(t).__name__
         return ValueError(
-            f"{self.name}: {self._label(index)} has {got}, but the graph was captured with "
+            f"{self.name}: {self.label(index)} has {got}, but the graph was captured with "
             f"{describe(self.samples[index])}. A graph replays fixed shapes: pass a matching "
             "tensor or capture a graph for this shape."
         )

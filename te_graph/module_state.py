@@ -1,4 +1,5 @@
-"""Module buffers across warmup and capture.
+"""State the callables update in place, across warmup and capture: module buffers and
+inputs.
 
 Warmup runs each module several times; buffers that its forward updates in place (running
 statistics, step counters, an MoE router's expert bias) would keep those updates. They are
@@ -11,11 +12,13 @@ attribute never moves again. That is refused, with the fix.
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import torch
 
-__all__ = ["ModuleBuffers"]
+from . import compat
+
+__all__ = ["ModuleBuffers", "InputUpdates"]
 
 
 class ModuleBuffers:
@@ -53,3 +56,43 @@ class ModuleBuffers:
             for (_, module, name, _, buffer), saved in zip(self._slots, self._saved):
                 module._buffers[name] = buffer
                 buffer.copy_(saved)
+
+
+class InputUpdates:
+    """Inputs a callable updates in place (a KV cache, a step counter, statistics passed
+    in), found in the first warmup pass by their version counters.
+
+    Warmup runs on the sample tensors themselves (they are the static buffers), so each
+    watched graph's inputs are copied before its first forward and the updated ones are
+    put back when capture ends: graphing leaves the samples as they were. Updates that do
+    not go through torch's in-place ops (``x.data.add_``, a custom kernel writing into an
+    input) bump no version counter and are not seen.
+    """
+
+    def __init__(self) -> None:
+        self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def watch(self, inputs: Sequence[torch.Tensor]) -> "_Watch":
+        """Call before the forward; ``close()`` after it gives the updated inputs' indices."""
+        return _Watch(self, inputs)
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for tensor, saved in reversed(self._saved):
+                tensor.copy_(saved)
+
+
+class _Watch:
+    def __init__(self, owner: InputUpdates, inputs: Sequence[torch.Tensor]):
+        self._owner = owner
+        self._inputs = tuple(inputs)
+        self._versions = [compat.version_of(t) for t in self._inputs]
+        self._copies = [t.detach().clone() for t in self._inputs]
+
+    def close(self) -> tuple[int, ...]:
+        updated = tuple(
+            i for i, t in enumerate(self._inputs) if compat.version_of(t) != self._versions[i]
+        )
+        self._owner._saved.extend((self._inputs[i], self._copies[i]) for i in updated)
+        self._copies = []
+        return updated

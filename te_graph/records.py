@@ -77,6 +77,7 @@ class WarmupRecord:
 
     output: OutputLayout  # the outputs' layout (meta tensors: no memory is kept)
     unused: tuple[int, ...]  # inputs requiring grad that no output depends on
+    updated: tuple[int, ...]  # inputs the forward updates in place (copied back at replay)
     forward_draws: Optional[StreamUse] = None  # last pass, graphs only: streams drawn from
     backward_draws: Optional[StreamUse] = None
 
@@ -96,3 +97,4 @@ class CapturedGraph:
     sync_forward: Any  # TrackerSync or NO_SYNC: keeps duck-typed trackers in step
     sync_backward: Any
     lends_grad_buffer: bool  # its input-grad buffer is another graph's grad-output buffer
+    updated_inputs: tuple[int, ...] = ()  # inputs the forward updates in place

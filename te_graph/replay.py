@@ -105,8 +105,9 @@ class Runner:
     output: Any
     non_differentiable: tuple[int, ...] = ()
 
-    def __init__(self, spec: GraphSpec, clock: Any, variant: int):
+    def __init__(self, spec: GraphSpec, clock: Any, variant: int, updated: tuple[int, ...]):
         self.name = spec.name
+        self.updated = updated  # inputs the forward updates in place (warmup found them)
         self.variant = variant
         self.layout = spec.layout
         self.shape = tuple(t.shape for t in spec.layout.samples)
@@ -122,10 +123,24 @@ class Runner:
         self.generation = 0
 
     def _copy_inputs(self, inputs: tuple[torch.Tensor, ...]) -> None:
+        """Each input into its static buffer, unless it lies there already: same address
+        and same strides (shape and dtype are checked by the layout); the strides are read
+        only where the addresses match, so the common path pays nothing for them."""
         for static, t in zip(self.static_inputs, inputs):
-            if t.data_ptr() != static.data_ptr():
-                static.copy_(t)
+            if t.data_ptr() != static.data_ptr() or t.stride() != static.stride():
+                _copy_into(static, t)
         self.generation += 1
+
+    def _copy_back(self, inputs: tuple[torch.Tensor, ...]) -> None:
+        """After the forward: the inputs it updated in place get the update, as in eager
+        code (their version counter moves too, as an eager in-place op's would)."""
+        for index in self.updated:
+            t, static = inputs[index], self.static_inputs[index]
+            if t.data_ptr() != static.data_ptr() or t.stride() != static.stride():
+                with torch.no_grad():
+                    _copy_into(t, static)
+            else:
+                compat.bump_version(t)
 
     def _check_fresh(self, invocation: Invocation) -> None:
         invocation.backwards += 1
@@ -155,7 +170,7 @@ class GraphRunner(Runner):
     """Replays a captured forward/backward graph pair on its static buffers."""
 
     def __init__(self, spec: GraphSpec, graph: CapturedGraph, options: ReplayOptions, clock: Any = NO_CLOCK, variant: int = 0):
-        super().__init__(spec, clock, variant)
+        super().__init__(spec, clock, variant, graph.updated_inputs)
         self.graph = graph
         self.static_inputs = graph.static_inputs
         self.output = graph.output
@@ -201,6 +216,8 @@ class GraphRunner(Runner):
         graph.fwd_graph.replay()
         if moved:
             graph.sync_forward.after_replay(moved)
+        if self.updated:
+            self._copy_back(inputs)
         outputs = tuple(o.detach() for o in self.static_outputs)
         return Invocation(self.generation, tick, record, copy_grads, through_autograd), outputs
 
@@ -212,8 +229,8 @@ class GraphRunner(Runner):
                 continue
             if g is None:
                 static.zero_()
-            elif g.data_ptr() != static.data_ptr():
-                static.copy_(g)
+            elif g.data_ptr() != static.data_ptr() or g.stride() != static.stride():
+                _copy_into(static, g)
         through_autograd = invocation.through_autograd
         if through_autograd:
             graph.param_grads.prepare_autograd()
@@ -247,7 +264,7 @@ class EagerRunner(Runner):
     """Same wrapper, no graphs: runs the callable on the static buffers at every call."""
 
     def __init__(self, spec: GraphSpec, warmup: WarmupRecord, clock: Any = NO_CLOCK, variant: int = 0):
-        super().__init__(spec, clock, variant)
+        super().__init__(spec, clock, variant, warmup.updated)
         self.spec = spec
         self.static_inputs = spec.static_inputs
         self.output = warmup.output
@@ -262,6 +279,8 @@ class EagerRunner(Runner):
         args, kwargs = spec.layout.unflatten(self.static_inputs)
         with torch.enable_grad() if spec.needs_backward and with_backward else torch.no_grad():
             outputs = self.output.tensors_of(spec.call(*args, **kwargs))
+        if self.updated:
+            self._copy_back(inputs)
         # Its grads are the live backward's own tensors, never graph memory: nothing to copy.
         invocation = Invocation(self.generation, tick, (), (), False, outputs)
         return invocation, tuple(o.detach() for o in outputs)
@@ -282,6 +301,18 @@ class EagerRunner(Runner):
         self.spec = None
         self.static_inputs = ()
         self.output = None
+
+
+def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)``, also where the two share memory in another layout (a transposed
+    view of a static buffer, an overlapping slice of one buffer), which torch refuses to
+    copy directly: that one goes through a temporary."""
+    try:
+        dst.copy_(src)  # the common case pays nothing for the check below
+    except RuntimeError:
+        if dst.untyped_storage().data_ptr() != src.untyped_storage().data_ptr():
+            raise
+        dst.copy_(src.clone())
 
 
 def shapes_text(shape: Any) -> str:

@@ -23,7 +23,7 @@ from checkpointing.capture_hook import capture_hook_set
 
 from .grads import grads_redirected
 from .layout import OutputLayout
-from .module_state import ModuleBuffers
+from .module_state import InputUpdates, ModuleBuffers
 from .parameters import ForeignLeaves, StandIns
 from .recompute_rng import BackwardDraws, ForwardDraws, StreamUse
 from .records import GraphSpec, WarmupRecord
@@ -41,22 +41,26 @@ def warm_up(
     record_draws: bool,
     stand_ins: StandIns,
     buffers: ModuleBuffers,
+    updates: InputUpdates,
 ) -> list[WarmupRecord]:
     """Run the warmup passes over ``specs`` in the forward order of ``steps``."""
     device = torch.device("cuda", torch.cuda.current_device()) if record_draws else None
     forwards = [step.flat_index for step in steps if step.kind == FORWARD]
     outputs_seen: dict[int, OutputLayout] = {}
     unused_seen: dict[int, tuple[int, ...]] = {}
+    updated_seen: dict[int, tuple[int, ...]] = {}
     draws: dict[int, tuple[Optional[StreamUse], Optional[StreamUse]]] = {}
     for iteration in range(num_iters):
         first, last = iteration == 0, iteration == num_iters - 1
         for index in forwards:
             spec = specs[index]
             watch = device if last and record_draws else None
+            inputs = updates.watch(spec.static_inputs) if first else None
             outputs, forward_use = _forward(spec, stand_ins, first, watch, tracker)
             buffers.check_not_reassigned()
             if first:
                 outputs_seen[index] = OutputLayout(spec.name, outputs).without_memory()
+                updated_seen[index] = _check_updated(spec, inputs.close())
             backward_use = None
             if spec.needs_backward:
                 unused, backward_use = _backward(spec, stand_ins, outputs, watch, tracker)
@@ -67,7 +71,7 @@ def warm_up(
             if watch is not None:
                 draws[index] = (forward_use, backward_use)
     return [
-        WarmupRecord(outputs_seen[i], unused_seen.get(i, ()), *draws.get(i, (None, None)))
+        WarmupRecord(outputs_seen[i], unused_seen.get(i, ()), updated_seen[i], *draws.get(i, (None, None)))
         for i in range(len(specs))
     ]
 
@@ -114,6 +118,21 @@ def _backward(spec: GraphSpec, stand_ins: StandIns, outputs: Any, device, tracke
     for p in stand_ins(spec.params):
         p.grad = None  # throwaway: the next pass starts clean
     return unused, draws.close() if draws is not None else None
+
+
+def _check_updated(spec: GraphSpec, updated: tuple[int, ...]) -> tuple[int, ...]:
+    """Inputs updated in place are copied back at every replay; a differentiable one is
+    refused (autograd records an in-place update of it, which no graph can replay)."""
+    for index in updated:
+        if spec.static_inputs[index].requires_grad:
+            raise ValueError(
+                f"make_graphed_callables: {spec.name} updates its {spec.layout.label(index)} in "
+                "place, and that sample requires grad. A graph cannot replay what autograd "
+                "records for an in-place update of a differentiable input. Pass that input with "
+                "requires_grad=False (a cache or a counter needs no gradient), or update a copy "
+                "of it inside the callable."
+            )
+    return updated
 
 
 def _check_unused(spec: GraphSpec, unused: tuple[int, ...], allow_unused_input: bool) -> None:

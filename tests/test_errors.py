@@ -336,6 +336,37 @@ def test_reassigned_buffer_is_refused_and_updated_buffers_are_restored():
     assert m.count.item() == 1
 
 
+class _BumpsInput(Lin):
+    def forward(self, x, counter):
+        with torch.no_grad():
+            counter.add_(1)
+        return self.lin(x) * counter
+
+
+def test_inputs_updated_in_place_are_put_back_after_graphing_and_copied_back_at_each_call():
+    m = _BumpsInput()
+    counter_sample = torch.zeros(())
+    graphed = make_graphed_callables(m, (X, counter_sample), num_warmup_iters=3, eager_replay=True)
+    assert counter_sample.item() == 0, "warmup's updates of the sample were undone"
+    counter = torch.zeros(())
+    graphed(X, counter)
+    graphed(X, counter)
+    assert counter.item() == 2, "the caller's input got each call's update"
+    held = counter_sample.item()  # the static buffer holds the last call's input, updated
+    version = counter_sample._version
+    graphed(X, counter_sample)  # the static buffer itself: updated in place, its version moves
+    assert counter_sample.item() == held + 1 and counter_sample._version > version
+
+
+def test_an_input_requiring_grad_updated_in_place_is_refused():
+    m = _BumpsInput()
+    counter = torch.zeros((), requires_grad=True)
+    before = counter.detach().clone()
+    _refused(ValueError, re.escape("callable 0 (_BumpsInput) updates its positional input 1 in place, and that sample requires grad. A graph cannot replay what autograd records") + ".*" + re.escape("Pass that input with requires_grad=False"),
+             lambda: make_graphed_callables(m, (X, counter), eager_replay=True), m)
+    assert torch.equal(counter.detach(), before), "the sample was put back"
+
+
 def test_tensor_closed_over_that_requires_grad_is_refused():
     w = torch.randn(4, 4, requires_grad=True)
 

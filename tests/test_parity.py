@@ -77,13 +77,28 @@ class SingleUseBlock(nn.Module):
         return nn.functional.dropout(torch.tanh(self.lin(x)), self.p, self.training), None
 
 
+class CacheBlock(nn.Module):
+    """Takes a second input without grad that its forward updates in place (a running
+    state passed in, like a KV cache or a counter) and reads."""
+
+    def __init__(self, device, dtype):
+        super().__init__()
+        self.lin = nn.Linear(HIDDEN, HIDDEN, device=device, dtype=dtype)
+
+    def forward(self, x, cache):
+        y = self.lin(x) + cache
+        with torch.no_grad():
+            cache.mul_(0.5).add_(y.mean(dim=0))
+        return torch.tanh(y), None
+
+
 # -- the setups ---------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Setup:
     """One training setup; every field has the plain default."""
 
     id: str
-    layer: str = "gpt"  # "gpt", "buffers", "containers", "single-use"
+    layer: str = "gpt"  # "gpt", "buffers", "containers", "single-use", "cache"
     blocks: int = 3
     dropout: float = 0.0
     recompute: str = "none"  # "none", "reentrant", "non-reentrant"
@@ -99,6 +114,9 @@ class Setup:
     new_stream_objects: bool = False  # reseed a duck tracker the Megatron way (new objects)
     options: tuple = ()  # extra make_graphed_callables keyword arguments, as pairs
     flow: str = "chain"  # how activations go from layer to layer: see _run_layers
+    input_from: str = "fresh"  # the first input: "fresh" tensors, or views of the first
+    # sample's buffer: "buffer-strided" (the sample's address, other strides) or
+    # "buffer-overlap" (another address, overlapping the sample)
     gpu_only: bool = False
 
     def __str__(self) -> str:
@@ -141,6 +159,10 @@ SETUPS = [
     Setup("fan-out", layer="single-use", dropout=0.1, flow="fan-out"),
     Setup("skip-connection-outside", layer="single-use", flow="skip"),
     Setup("hook-on-graphed-output", layer="single-use", flow="output-hook"),
+    # Inputs the callable updates in place, and inputs sharing a static buffer's memory.
+    Setup("input-updated-in-place", layer="cache", dropout=0.1),
+    Setup("input-at-the-sample-address-other-strides", dropout=0.1, input_from="buffer-strided"),
+    Setup("input-overlapping-the-sample", dropout=0.1, input_from="buffer-overlap"),
 ]
 
 
@@ -158,6 +180,7 @@ class Trace:
     hook_calls: dict = field(default_factory=dict)  # hook kind -> number of calls
     main_grads: list = field(default_factory=list)
     activation_grads: list = field(default_factory=list)  # what a hook on an activation saw
+    updated_inputs: list = field(default_factory=list)  # inputs the layers update in place
 
 
 def _tracker(setup: Setup, device: str):
@@ -194,6 +217,8 @@ def _build(setup: Setup, device: str) -> list[nn.Module]:
             blocks.append(BufferedBlock(device, setup.dtype))
         elif setup.layer == "single-use":
             blocks.append(SingleUseBlock(device, setup.dtype, setup.dropout))
+        elif setup.layer == "cache":
+            blocks.append(CacheBlock(device, setup.dtype))
         else:
             blocks.append(ContainerBlock(device, setup.dtype))
     for block in blocks:
@@ -201,19 +226,37 @@ def _build(setup: Setup, device: str) -> list[nn.Module]:
     return blocks
 
 
-def _samples(setup: Setup, layers: list, device: str, seq: int) -> tuple:
+def _samples(setup: Setup, layers: list, device: str, seq: int, buffer=None) -> tuple:
     g = torch.Generator().manual_seed(seq)
-    return tuple(
+    samples = [
         (torch.randn(seq, BATCH, HIDDEN, generator=g).to(device, setup.dtype).requires_grad_(True),)
         for _ in layers
-    )
+    ]
+    if setup.layer == "cache":  # the cache sample: its own tensor, not the cache trained with
+        samples = [x + (torch.randn(BATCH, HIDDEN, generator=g).to(device, setup.dtype),) for x in samples]
+    if buffer is not None:  # the first layer's sample lies at the start of a bigger buffer
+        samples[0] = (buffer[:seq].requires_grad_(True),)
+    return tuple(samples)
 
 
-def _graph(setup: Setup, layers: list, device: str, eager_replay: bool) -> list:
+def _first_input(setup: Setup, buffer, data, seq: int, device: str):
+    """The first layer's input of one microbatch (a fresh tensor, or a view of the buffer
+    the first sample lies in, refilled with fresh numbers)."""
+    fresh = torch.randn(2 * seq if buffer is not None else seq, BATCH, HIDDEN, generator=data).to(device, setup.dtype)
+    if buffer is None:
+        return fresh
+    with torch.no_grad():
+        buffer.copy_(fresh)
+    if setup.input_from == "buffer-strided":  # the sample's address, every other row
+        return buffer.view(seq, 2, BATCH, HIDDEN)[:, 0]
+    return buffer[seq // 2: seq // 2 + seq]  # "buffer-overlap"
+
+
+def _graph(setup: Setup, layers: list, device: str, eager_replay: bool, buffer=None) -> list:
     first, *rest = setup.seq_lengths
     more = [Samples(_samples(setup, layers, device, s)) for s in rest]
     graphed = make_graphed_callables(
-        tuple(layers), _samples(setup, layers, device, first), more_shapes=more,
+        tuple(layers), _samples(setup, layers, device, first, buffer), more_shapes=more,
         eager_replay=eager_replay, get_rng_state_tracker=lambda: _tracker(setup, device),
         **dict(setup.options),
     )
@@ -288,8 +331,17 @@ def train(setup: Setup, mode: str, device: str, steps: int = 3, micro: int = 2) 
     keep = _install_hooks(setup, params, trace) if setup.hooks_first else []
     if setup.stack:
         layers = [Stack(layers)]
+    modules = layers
+    buffer = None
+    if setup.input_from != "fresh":  # the buffer the first sample lies in, and the inputs too
+        seq = setup.seq_lengths[0]
+        buffer = torch.randn(2 * seq, BATCH, HIDDEN, generator=torch.Generator().manual_seed(3)).to(device, setup.dtype)
     if mode != "eager":
-        layers = _graph(setup, layers, device, eager_replay=mode == "eager_replay")
+        layers = _graph(setup, layers, device, eager_replay=mode == "eager_replay", buffer=buffer)
+    caches = []
+    if setup.layer == "cache":  # each layer's running state, updated in place by its calls
+        caches = [torch.zeros(BATCH, HIDDEN, device=device, dtype=setup.dtype) for _ in layers]
+        layers = [lambda h, layer=layer, cache=cache: layer(h, cache) for layer, cache in zip(layers, caches)]
     if not setup.hooks_first:
         keep = _install_hooks(setup, params, trace)
     opt = torch.optim.SGD(params, lr=0.1)
@@ -306,7 +358,7 @@ def train(setup: Setup, mode: str, device: str, steps: int = 3, micro: int = 2) 
             if setup.flow == "leaf-view":
                 x, first = shared, shared.view_as(shared)
             else:
-                x = first = torch.randn(seq, BATCH, HIDDEN, generator=data).to(device, setup.dtype)
+                x = first = _first_input(setup, buffer, data, seq, device)
                 x.requires_grad_(setup.input_grad)
             seen: list = []
             y = _run_layers(setup.flow, layers, first, seen)
@@ -318,7 +370,8 @@ def train(setup: Setup, mode: str, device: str, steps: int = 3, micro: int = 2) 
         trace.param_grads.append([None if p.grad is None else p.grad.clone() for p in params])
         opt.step()
     trace.weights = [p.detach().clone() for p in params]
-    trace.buffers = [b.clone() for layer in layers for b in layer.buffers()]
+    trace.buffers = [b.clone() for module in modules for b in module.buffers()]
+    trace.updated_inputs = [c.clone() for c in caches]
     trace.main_grads = [p.main_grad.clone() for p in params if hasattr(p, "main_grad")]
     del keep
     return trace
@@ -330,7 +383,7 @@ def assert_same(got: Trace, want: Trace, what: str) -> None:
         assert len(got.hook_grads[key]) == len(want.hook_grads[key]), f"{what}: hooks {key} ran another number of times"
         for i, (x, y) in enumerate(zip(got.hook_grads[key], want.hook_grads[key])):
             assert torch.equal(x, y), f"{what}: hook {key} call {i} saw another gradient"
-    for name in ("outputs", "input_grads", "weights", "buffers", "main_grads", "activation_grads"):
+    for name in ("outputs", "input_grads", "weights", "buffers", "main_grads", "activation_grads", "updated_inputs"):
         a, b = getattr(got, name), getattr(want, name)
         assert len(a) == len(b), f"{what}: {name}: {len(a)} entries, eager has {len(b)}"
         for i, (x, y) in enumerate(zip(a, b)):
