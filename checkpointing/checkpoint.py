@@ -19,8 +19,7 @@ from typing import Any, Callable
 import torch
 import torch.utils._pytree as pytree
 
-import rng
-
+from .checks import check_call, contexts_from, tracker_from
 from .distribute import check_replicated, gather_slices, keep_slice
 from .recompute_state import RecomputeState
 
@@ -58,26 +57,26 @@ def checkpoint(
             between forward and backward (needs ``tp_group`` or the default group). The
             first input must be the same on every rank of the group (not a sequence-parallel
             shard); that is checked at every forward.
-        get_rng_state_tracker: returns the tracker whose streams the region forks (ours,
-            Megatron-core's, apex's or TE's: anything with get_states/set_states/fork);
-            defaults to ``rng.get_cuda_rng_tracker()``.
+        get_rng_state_tracker: a function returning the tracker whose streams the region
+            forks (ours, Megatron-core's, apex's or TE's: anything with
+            get_states/set_states/fork); defaults to ``rng.get_cuda_rng_tracker``.
         tp_group: tensor-parallel process group for ``distribute_saved_activations``.
         context_fn: returns two context managers, entered around the forward and around
             the recompute respectively.
+
+    The arguments are checked before anything runs (``TypeError`` for a function that
+    cannot be called, a flag that is not a bool, a tracker getter or ``context_fn`` that is
+    not callable or returns the wrong thing), so a bad call changes no state.
     """
-    if args and isinstance(args[0], bool) and any(isinstance(a, torch.Tensor) for a in args[1:]):
-        raise TypeError(
-            f"checkpoint({getattr(function, '__name__', 'function')}, {args[0]}, ...): the "
-            "first argument after the function is a bool, which looks like Megatron's "
-            "argument order checkpoint(function, distribute_saved_activations, *args). Here "
-            "the options are keywords: checkpoint(function, *args, "
-            "distribute_saved_activations=...). (A function whose first argument really is a "
-            "bool: pass it by keyword.)"
-        )
+    check_call(
+        function, args, use_reentrant=use_reentrant,
+        distribute_saved_activations=distribute_saved_activations,
+        get_rng_state_tracker=get_rng_state_tracker, context_fn=context_fn,
+    )
     if not torch.is_grad_enabled():
         return function(*args, **kwargs)
-    tracker = get_rng_state_tracker() if get_rng_state_tracker is not None else rng.get_cuda_rng_tracker()
-    forward_context, recompute_context = context_fn() if context_fn is not None else (None, None)
+    tracker = tracker_from(get_rng_state_tracker)
+    forward_context, recompute_context = contexts_from(context_fn)
     state = RecomputeState(tracker)
     if use_reentrant:
         tensor_inputs = [a for a in args if isinstance(a, torch.Tensor)]

@@ -16,6 +16,7 @@ from .states import (
     to_byte_state,
     to_generator_state,
 )
+from .seeding import model_parallel_cuda_manual_seed
 from .streams import DEFAULT_STREAM, live_stream_generators, streams_swapped
 from .tracker import (
     DATA_PARALLEL_RNG,
@@ -23,7 +24,6 @@ from .tracker import (
     MODEL_PARALLEL_RNG,
     CudaRNGStatesTracker,
     get_cuda_rng_tracker,
-    model_parallel_cuda_manual_seed,
     restore_streams,
     restore_tracker_states,
     snapshot_streams,

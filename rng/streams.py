@@ -31,14 +31,14 @@ def live_stream_generators(tracker: Any, device: torch.device) -> dict[str, torc
     streams = {DEFAULT_STREAM: default_generator(device)}
     if tracker is None:
         return streams
-    live = getattr(tracker, "_live_generators", None)
+    live = getattr(tracker, "live_generators", None)  # ours; duck-typed trackers lack it
     states = live() if live is not None else tracker.get_states()
     streams.update({n: s for n, s in states.items() if isinstance(s, torch.Generator)})
     return streams
 
 
 def _replace_tracker_generators(tracker: Any, replacements: Mapping[str, torch.Generator]) -> dict:
-    replace = getattr(tracker, "_replace_generators", None)
+    replace = getattr(tracker, "replace_generators", None)  # ours; duck-typed trackers lack it
     if replace is not None:
         return replace(replacements)
     # Duck-typed graph-safe trackers store whatever set_states() hands them: references.

@@ -1,4 +1,5 @@
-"""Named RNG streams (Megatron's CUDA RNG states tracker) and Megatron's seed derivation.
+"""Named RNG streams (Megatron's CUDA RNG states tracker) and content snapshots of any
+tracker's streams.
 
 Each named stream is either its own ``torch.Generator`` (graph-safe mode: ``fork`` swaps
 it into the default generator with ``graphsafe_set_state``, which is legal during CUDA
@@ -8,11 +9,11 @@ classic Megatron scheme; this is what CPU generators use).
 from __future__ import annotations
 
 import contextlib
-import operator
-from typing import Any, Iterator, Mapping
+from typing import Iterator, Mapping
 
 import torch
 
+from .checks import SEED_MAX, as_seed, check_state
 from .states import (
     RNGState,
     default_generator,
@@ -26,7 +27,10 @@ from .states import (
 __all__ = [
     "CudaRNGStatesTracker",
     "get_cuda_rng_tracker",
-    "model_parallel_cuda_manual_seed",
+    "snapshot_tracker_states",
+    "restore_tracker_states",
+    "snapshot_streams",
+    "restore_streams",
     "MODEL_PARALLEL_RNG",
     "EXPERT_PARALLEL_RNG",
     "DATA_PARALLEL_RNG",
@@ -64,7 +68,7 @@ class CudaRNGStatesTracker:
             )
         self.graph_safe = graph_safe
         self._states: dict[str, RNGState] = {}
-        self._seeds: dict[int, str] = {}
+        self._seeds: dict[int, str] = {}  # seed modulo 2**64 (as torch takes it) -> stream
         # Generator objects of streams dropped by reset(), reused when the name is added
         # again: CUDA graphs register generator *objects*, so reseeding in place keeps
         # graphs captured before a reseed drawing from the reseeded stream.
@@ -73,7 +77,7 @@ class CudaRNGStatesTracker:
     # -- bookkeeping ----------------------------------------------------------------
     def reset(self) -> None:
         """Forget every stream and seed."""
-        self._retired.update(self._live_generators())
+        self._retired.update(self.live_generators())
         self._states = {}
         self._seeds = {}
 
@@ -86,11 +90,22 @@ class CudaRNGStatesTracker:
         return tuple(self._states)
 
     def add(self, name: str, seed: int) -> None:
-        """Add stream ``name`` seeded with ``seed``; names and seeds must be unique."""
-        if seed in self._seeds:
+        """Add stream ``name`` seeded with ``seed``; names and seeds must be unique.
+
+        ``seed`` is an int (numpy ints too; bools are refused), checked with ``name``
+        before anything changes.
+        """
+        if not isinstance(name, str):
+            raise TypeError(
+                f"CudaRNGStatesTracker.add: name must be a str, got {name!r} "
+                f"({type(name).__name__}); the name comes first: tracker.add(name, seed)."
+            )
+        seed = as_seed(seed, "CudaRNGStatesTracker.add: seed", f"tracker.add({name!r}, 1234)")
+        key = seed % (SEED_MAX + 1)
+        if key in self._seeds:
             raise ValueError(
                 f"CudaRNGStatesTracker.add: seed {seed} is already used by stream "
-                f"'{self._seeds[seed]}'; give '{name}' a different seed."
+                f"'{self._seeds[key]}'; give '{name}' a different seed."
             )
         if name in self._states:
             raise ValueError(
@@ -100,14 +115,30 @@ class CudaRNGStatesTracker:
         generator = self._retired.pop(name, None) or torch.Generator(device=self.device)
         generator.manual_seed(seed)
         self._states[name] = generator if self.graph_safe else generator.get_state()
-        self._seeds[seed] = name
+        self._seeds[key] = name
 
     def get_states(self) -> dict[str, RNGState]:
         """Copies of every stream's state (content that later draws do not move)."""
         return {name: self._copy(state) for name, state in self._states.items()}
 
     def set_states(self, states: Mapping[str, RNGState]) -> None:
-        """Restore streams from ``states`` (copies in; unknown names are added)."""
+        """Restore streams from ``states`` (copies in; unknown names are added).
+
+        Every state is checked first (a byte tensor of this device's state size, or a
+        ``torch.Generator`` of this device type), so a bad one changes nothing.
+        """
+        if not isinstance(states, Mapping):
+            raise TypeError(
+                f"CudaRNGStatesTracker.set_states: expected a dict {{stream name: state}}, got "
+                f"a {type(states).__name__}; pass what get_states() returned."
+            )
+        for name, state in states.items():
+            if not isinstance(name, str):
+                raise TypeError(
+                    f"CudaRNGStatesTracker.set_states: stream names are str, got {name!r} "
+                    f"({type(name).__name__}); key the dict by stream name, as get_states() does."
+                )
+            check_state(state, self.device.type, f"CudaRNGStatesTracker.set_states: the state of stream {name!r}")
         for name, state in states.items():
             live = self._states.get(name)
             if isinstance(live, torch.Generator):
@@ -144,11 +175,38 @@ class CudaRNGStatesTracker:
                 self._states[name] = generator.get_state()
                 generator.set_state(previous)
 
-    # -- used by rng.streams: live generator objects, never copies ---------------------
-    def _live_generators(self) -> dict[str, torch.Generator]:
+    # -- the live generator objects (rng.streams): never copies ----------------------------
+    def live_generators(self) -> dict[str, torch.Generator]:
+        """The live ``torch.Generator`` of each graph-safe stream, by name: the objects
+        themselves, not copies (``get_states()`` returns copies).
+
+        CUDA graphs register and draw from generator *objects*, so code that points a
+        graph at a stream needs the very object ``fork()`` swaps in. Drawing from one
+        advances its stream. Byte-state streams are left out (empty when not graph-safe).
+        """
         return {n: s for n, s in self._states.items() if isinstance(s, torch.Generator)}
 
-    def _replace_generators(self, replacements: Mapping[str, torch.Generator]) -> dict:
+    def replace_generators(self, replacements: Mapping[str, torch.Generator]) -> dict[str, torch.Generator]:
+        """Make each named stream *be* the given generator object; returns the objects it
+        replaced (pass them back to undo).
+
+        Swapping objects, rather than copying state into them, is the one way to redirect
+        a stream that is legal while a CUDA graph is being captured. Only streams that
+        ``live_generators()`` lists can be replaced; everything is checked first.
+        """
+        for name, generator in replacements.items():
+            if not isinstance(self._states.get(name), torch.Generator):
+                known = ", ".join(repr(n) for n in self.live_generators()) or "none"
+                raise KeyError(
+                    f"CudaRNGStatesTracker.replace_generators: {name!r} is not a generator "
+                    f"stream of this tracker (generator streams: {known}); replace only names "
+                    "that live_generators() returns."
+                )
+            if not isinstance(generator, torch.Generator) or generator.device.type != self.device.type:
+                raise TypeError(
+                    f"CudaRNGStatesTracker.replace_generators: the replacement for {name!r} is "
+                    f"{_describe(generator)}; pass a torch.Generator on {self.device.type}."
+                )
         previous = {name: self._states[name] for name in replacements}
         self._states.update(replacements)
         return previous
@@ -157,6 +215,12 @@ class CudaRNGStatesTracker:
         if isinstance(state, torch.Generator):
             return snapshot_generator(state, graph_safe=True)
         return state.clone()
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, torch.Generator):
+        return f"a torch.Generator on {value.device.type}"
+    return f"a {type(value).__name__}"
 
 
 _TRACKER: CudaRNGStatesTracker | None = None
@@ -168,68 +232,6 @@ def get_cuda_rng_tracker() -> CudaRNGStatesTracker:
     if _TRACKER is None:
         _TRACKER = CudaRNGStatesTracker()
     return _TRACKER
-
-
-def model_parallel_cuda_manual_seed(
-    seed: int,
-    tp_rank: int | None = None,
-    ep_rank: int | None = None,
-    etp_rank: int | None = None,
-    *,
-    tracker: Any = None,
-) -> None:
-    """Seed the default generator and the tracker's streams the way Megatron does.
-
-    * default generator (data-parallel stream): ``seed``, identical on every TP rank;
-    * ``'model-parallel-rng'``: ``seed + 2718 + tp_rank``, different on every TP rank;
-    * ``'expert-parallel-rng'``: ``seed + 1024 + 100 * ep_rank + etp_rank``;
-    * ``'data-parallel-rng'``: ``seed`` (Megatron-core's named copy of the default stream).
-
-    Ranks default to 0 (one rank of each kind). ``tracker`` defaults to ours; a duck-typed
-    graph-safe tracker (Megatron-core's, TE's) has each stream it already holds as a
-    generator reseeded in place (graphs captured earlier keep drawing from it) and the
-    others added.
-    """
-    tp_rank, ep_rank, etp_rank = (
-        _rank(name, value) for name, value in (("tp_rank", tp_rank), ("ep_rank", ep_rank), ("etp_rank", etp_rank))
-    )
-    tracker = tracker if tracker is not None else get_cuda_rng_tracker()
-    seeds = {
-        MODEL_PARALLEL_RNG: seed + 2718 + tp_rank,
-        EXPERT_PARALLEL_RNG: seed + 1024 + 100 * ep_rank + etp_rank,
-        DATA_PARALLEL_RNG: seed,
-    }
-    device = getattr(tracker, "device", None)
-    default_generator(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu").manual_seed(seed)
-    if not isinstance(tracker, CudaRNGStatesTracker):
-        live = tracker.get_states()
-        if any(isinstance(state, torch.Generator) for state in live.values()):
-            for name, stream_seed in seeds.items():
-                if isinstance(live.get(name), torch.Generator):
-                    live[name].manual_seed(stream_seed)  # in place: the objects stay the same
-                else:
-                    tracker.add(name, stream_seed)
-            return
-    tracker.reset()
-    for name, stream_seed in seeds.items():
-        tracker.add(name, stream_seed)
-
-
-def _rank(name: str, value: Any) -> int:
-    """A rank argument as an int (numpy ints too); flags in rank positions are refused."""
-    if value is None:
-        return 0
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(
-            f"model_parallel_cuda_manual_seed: {name} must be an int rank, got {value!r}. "
-            "Megatron's own function takes flags (te_rng_tracker, inference_rng_tracker, ...) "
-            "in these positions; pass ranks by keyword, e.g. "
-            "model_parallel_cuda_manual_seed(seed, tp_rank=rank)."
-        ) from None
 
 
 def snapshot_tracker_states(tracker: object) -> dict[str, RNGState]:

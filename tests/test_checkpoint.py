@@ -579,6 +579,92 @@ def test_fork_of_unknown_stream_inside_checkpoint_raises_keyerror():
         checkpoint(fn, x)
 
 
+# -- bad arguments are refused before anything runs ---------------------------------------------
+class FakeTracker:
+    """Has fork() only: not a tracker checkpoint() can snapshot."""
+
+    def fork(self, name=MODEL_PARALLEL_RNG):
+        return contextlib.nullcontext()
+
+
+BAD_CALLS = {
+    "function-not-callable": (dict(function=5), (
+        "checkpoint: the first argument must be the function to recompute, got 5 (int), which "
+        "cannot be called; pass it first: checkpoint(function, *args, ...).")),
+    "use-reentrant-str": (dict(use_reentrant="no"), (
+        "checkpoint: use_reentrant must be True or False, got 'no' (str); pass a bool (Python "
+        "reads 'no' as True).")),
+    "use-reentrant-none": (dict(use_reentrant=None), (
+        "checkpoint: use_reentrant must be True or False, got None (NoneType); pass a bool "
+        "(Python reads None as False).")),
+    "distribute-str": (dict(distribute_saved_activations="false"), (
+        "checkpoint: distribute_saved_activations must be True or False, got 'false' (str); pass "
+        "a bool (Python reads 'false' as True).")),
+    "tracker-getter-int": (dict(get_rng_state_tracker=42), (
+        "checkpoint: get_rng_state_tracker must be a function that returns the tracker, got 42 "
+        "(int); pass the function, not its result: get_rng_state_tracker=rng.get_cuda_rng_tracker, "
+        "or lambda: tracker.")),
+    "tracker-not-getter": (dict(get_rng_state_tracker=CudaRNGStatesTracker("cpu")), (
+        "checkpoint: get_rng_state_tracker must be a function that returns the tracker, got a "
+        "CudaRNGStatesTracker; pass the function, not its result")),
+    "getter-returns-int": (dict(get_rng_state_tracker=lambda: 42), (
+        "checkpoint: get_rng_state_tracker() returned 42 (int), which has no get_states, "
+        "set_states, fork; it must return an RNG tracker with get_states(), set_states() and "
+        "fork() (ours: rng.get_cuda_rng_tracker(); Megatron's, apex's and Transformer Engine's "
+        "work too).")),
+    "getter-returns-none": (dict(get_rng_state_tracker=lambda: None), (
+        "checkpoint: get_rng_state_tracker() returned None (NoneType), which has no get_states, "
+        "set_states, fork;")),
+    "getter-returns-fork-only": (dict(get_rng_state_tracker=FakeTracker), (
+        "checkpoint: get_rng_state_tracker() returned a FakeTracker, which has no get_states, "
+        "set_states;")),
+    "context-fn-one-context": (dict(context_fn=contextlib.nullcontext), (
+        "checkpoint: context_fn() returned a nullcontext; it must return a pair of context "
+        "managers (forward_context, recompute_context), the first entered around the forward and "
+        "the second around the recompute, e.g. lambda: (contextlib.nullcontext(), my_context()).")),
+    "context-fn-three": (dict(context_fn=lambda: (contextlib.nullcontext(),) * 3), (
+        "checkpoint: context_fn() returned a tuple of 3; it must return a pair of context managers")),
+    "context-fn-not-contexts": (dict(context_fn=lambda: (1, 2)), (
+        "checkpoint: context_fn() returned a tuple of 2; it must return a pair of context managers")),
+    "context-fn-not-callable": (dict(context_fn=contextlib.nullcontext()), (
+        "checkpoint: context_fn must be a function returning two context managers, got a "
+        "nullcontext; e.g. context_fn=lambda: (forward_context, recompute_context).")),
+}
+
+
+# Without grad checkpoint() just calls the function, so it never calls get_rng_state_tracker
+# or context_fn: what they return is checked with grad only.
+CALLS_WITH_RESULTS = {"getter-returns-int", "getter-returns-none", "getter-returns-fork-only",
+                      "context-fn-one-context", "context-fn-three", "context-fn-not-contexts"}
+
+
+@pytest.mark.parametrize("case,grad", [(c, True) for c in BAD_CALLS] + [
+    (c, False) for c in BAD_CALLS if c not in CALLS_WITH_RESULTS])
+def test_bad_arguments_are_refused_before_anything_runs(case, grad):
+    options, message = BAD_CALLS[case]
+    options = dict(options)
+    tracker = rng.get_cuda_rng_tracker()
+    rng.model_parallel_cuda_manual_seed(SEED)
+    with tracker.fork():
+        torch.rand(8)
+    calls = []
+
+    def region(t):
+        calls.append(1)
+        return F.dropout(t, 0.5)
+
+    function = options.pop("function", region)
+    x = torch.ones(16, requires_grad=True)
+    default, streams = torch.get_rng_state(), tracker.get_states()
+    with torch.set_grad_enabled(grad), pytest.raises(TypeError, match=re.escape(message)):
+        checkpoint(function, x, **options)
+    assert not calls, "the function ran"
+    assert torch.equal(torch.get_rng_state(), default)
+    after = tracker.get_states()
+    assert after.keys() == streams.keys() and all(torch.equal(after[n], streams[n]) for n in streams)
+    assert x.grad is None
+
+
 # -- GPU: the same properties with graph-safe tracker states ------------------------------------
 @pytest.mark.gpu
 @REENTRANT
@@ -607,7 +693,7 @@ def test_checkpoint_matches_plain_run_bitwise_cuda(use_reentrant):
 
 def live_state_references(tracker):
     """A reference sharing the state object of each live CUDA stream."""
-    generators = {**tracker._live_generators(), "<default>": rng.default_generator("cuda")}
+    generators = {**tracker.live_generators(), "<default>": rng.default_generator("cuda")}
     return {name: g.graphsafe_get_state() for name, g in generators.items()}
 
 

@@ -2,13 +2,19 @@
 ``main()``, and on a GPU bitwise agreement of graphed and eager training."""
 from __future__ import annotations
 
+import copy
+import datetime
+import importlib.metadata
 import json
 import math
+import shutil
+import subprocess
 
 import pytest
 import torch
 
-from examples import train_gpt
+from examples import report, train_gpt
+from examples.config import DEFAULTS, WARMUP_DIVISOR
 from examples.train_gpt import CharCorpus, load_corpus, main
 from tests.multi_gpu_helpers import run_train_gpt
 
@@ -99,6 +105,34 @@ def test_three_step_run_writes_png_and_json(tmp_path, capsys):
     assert written["parallel"] == {"world_size": 1, "tensor_parallel": 1, "data_parallel": 1}
     out = capsys.readouterr().out
     assert "median step" in out and "tokens/s" in out and "peak memory" in out
+    # Which code ran, and when.
+    environment = written["environment"]
+    setup = (train_gpt.REPO_ROOT / "setup.py").read_text(encoding="utf-8")
+    assert f'version="{environment["te_graph"]}"' in setup
+    if (train_gpt.REPO_ROOT / ".git").exists() and shutil.which("git"):
+        head = subprocess.run(["git", "-C", str(train_gpt.REPO_ROOT), "rev-parse", "HEAD"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+        assert environment["git_commit"] == head and isinstance(environment["git_dirty"], bool)
+    else:
+        assert environment["git_commit"] is None and environment["git_dirty"] is None
+    started = datetime.datetime.strptime(written["started_utc"], "%Y-%m-%dT%H:%M:%SZ")
+    now = datetime.datetime.now(datetime.timezone.utc).replace(tzinfo=None)
+    assert datetime.timedelta(0) <= now - started < datetime.timedelta(minutes=10)
+
+
+def test_provenance_without_git_or_a_checkout(tmp_path, monkeypatch):
+    """No .git (an unpacked archive, an installed copy): no commit, and no error; the
+    version then comes from the installed distribution, if any."""
+    try:
+        installed = importlib.metadata.version("te-graph")
+    except importlib.metadata.PackageNotFoundError:
+        installed = None
+    assert report.provenance(tmp_path) == {"te_graph": installed, "git_commit": None, "git_dirty": None}
+    (tmp_path / ".git").mkdir()  # a .git that git does not take for a repository
+    (tmp_path / "setup.py").write_text('setup(name="te-graph", version="9.8.7")\n')
+    assert report.provenance(tmp_path) == {"te_graph": "9.8.7", "git_commit": None, "git_dirty": None}
+    monkeypatch.setenv("PATH", str(tmp_path))  # no git program at all
+    assert report.git_state(train_gpt.REPO_ROOT) == {"git_commit": None, "git_dirty": None}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the note printed without CUDA")
@@ -132,6 +166,43 @@ def test_compare_on_cpu_uses_the_eager_replay_wrapper(tmp_path, capsys):
     assert summary["losses_match_bitwise"] and summary["weights_match_bitwise"]
     assert "losses matched bitwise: True" in out
     assert set(json.loads((tmp_path / "summary.json").read_text())) >= {"eager", "eager-replay", "speedup"}
+    # The plot says so (the two curves lie on top of each other) ...
+    runs = {"eager": summary["eager"], "eager-replay": summary["eager-replay"]}
+    assert report.plot_losses(runs, tmp_path / "equal.png") == [
+        "eager and eager-replay: losses bitwise equal at all 4 steps"]
+    # ... and when runs differ, it says where and draws the difference.
+    runs["eager-replay"] = copy.deepcopy(summary["eager-replay"])
+    runs["eager-replay"]["losses"][2] += 0.25
+    assert report.plot_losses(runs, tmp_path / "differ.png") == [
+        "eager and eager-replay: losses differ at 1 of 4 steps (largest |difference| 0.25)"]
+    from matplotlib.image import imread
+
+    assert imread(tmp_path / "differ.png").shape[0] > imread(tmp_path / "equal.png").shape[0], "a second panel"
+
+
+def test_loss_comparison_is_bitwise():
+    def runs(a, b):
+        return {"x": {"losses": a}, "y": {"losses": b}}
+
+    same = report.loss_comparison(runs([1.0, float("nan")], [1.0, float("nan")]))
+    assert same["bitwise_equal"] and same["steps_differing"] == 0, "the same NaN is the same bits"
+    signed = report.loss_comparison(runs([0.0, 2.0], [-0.0, 2.5]))
+    assert not signed["bitwise_equal"] and signed["steps_differing"] == 2
+    assert signed["names"] == ("x", "y") and signed["difference"] == [0.0, 0.5]
+    assert report.loss_comparison({"x": {"losses": [1.0]}}) is None, "one run: nothing to compare"
+    assert not report.bitwise_equal([1.0], [1.0, 2.0])
+
+
+def test_cpu_defaults_pass_the_first_phase_without_a_loss_spike(tmp_path):
+    """Issue 21: with the old CPU defaults the loss jumped from 3.3 to 7.1 at steps 19-20.
+    The defaults' first ``warmup`` steps, run alone (the schedule is the same up to there),
+    rise nowhere more than 1.0 above the lowest of the 10 steps before."""
+    warmup = DEFAULTS["cpu"]["steps"] // WARMUP_DIVISOR["cpu"]
+    losses = main(["--device", "cpu", "--no-progress", "--out", str(tmp_path), "--steps", str(warmup),
+                   "--warmup", str(warmup)])["losses"]
+    rise, step = max((losses[i] - min(losses[max(0, i - 10):i]), i + 1) for i in range(1, len(losses)))
+    assert rise < 1.0, f"the loss rose by {rise:.2f} at step {step}"
+    assert sum(losses[-5:]) < sum(losses[:5]) - 5 * 0.5
 
 
 def test_progress_bar_is_quiet_when_output_is_not_a_terminal(tmp_path, capsys):
@@ -223,10 +294,13 @@ def test_data_parallel_on_two_gloo_ranks_keeps_replicas_identical(tmp_path):
 
 
 def test_learning_rate_warms_up_then_decays_to_a_tenth():
-    args = train_gpt.build_parser().parse_args(["--device", "cpu", "--steps", "100", "--lr", "1e-3"])
-    config, _ = train_gpt.resolve(args)
-    lrs = [train_gpt.learning_rate(config, step) for step in range(100)]
-    assert config.warmup == 10
+    def config(*argv):
+        return train_gpt.resolve(train_gpt.build_parser().parse_args(["--device", "cpu", *argv]))[0]
+
+    assert config("--steps", "100").warmup == 20, "CPU default: steps / 5"
+    assert config().steps == 400 and config().lr == 1e-3 and config().warmup == 80
+    c = config("--steps", "100", "--lr", "1e-3", "--warmup", "10")
+    lrs = [train_gpt.learning_rate(c, step) for step in range(100)]
     assert lrs[0] == pytest.approx(1e-4) and lrs[9] == pytest.approx(1e-3)
     assert all(a >= b for a, b in zip(lrs[9:], lrs[10:])), "cosine decay after warmup"
     assert lrs[-1] == pytest.approx(1e-4, rel=0.01)
