@@ -18,5 +18,7 @@ setup(
         "bench": ["tabulate>=0.9"],
         "examples": ["tqdm>=4", "matplotlib>=3.5"],
         "docs": [],
+        # Transformer Engine layers and FP8: the version the GPU tests and bench_te.py ran with.
+        "te": ["transformer_engine[pytorch]==2.20.2"],
     },
 )

@@ -9,7 +9,7 @@ time for the profiled rows), ``steady_reserved_mib`` (footprint over steady step
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, NamedTuple, Optional
+from typing import Mapping, NamedTuple, Optional, Sequence
 
 # Row names, shared by every benchmark script, its table and its PNG.
 EAGER = "eager"
@@ -22,6 +22,7 @@ FORWARD_KERNELS = "forward kernels"
 EAGER_BUCKETS = "eager 3 buckets"
 TE_GRAPH_BUCKETS = "te_graph 3 buckets"
 WHOLE_STEP_GRAPH = "whole-step graph"
+TE_GRAPHED = "TE graphed"  # Transformer Engine's make_graphed_callables, where TE is present
 
 PASS, FAIL, NOT_AVAILABLE, INFO = "PASS", "FAIL", "n/a", "info"
 
@@ -171,6 +172,22 @@ def _whole_step_info(config: str, rows: Rows) -> list[TargetLine]:
         line = _compare(config, f"{graphed}_vs_whole_step", f"{graphed} against one graph of the whole step",
                         rows, (graphed, "ms"), (WHOLE_STEP_GRAPH, "ms"), 1.0, "ms")
         lines.append(line._replace(detail=line.detail.replace(" (limit 1x)", ""), verdict=INFO))
+    return lines
+
+
+def peer_targets(results: Mapping[str, Rows], pairs: Sequence[tuple[str, str]]) -> list[TargetLine]:
+    """Issue 19's targets, per config and per (ours, peer) pair of rows: ours faster than
+    the peer, with a steady footprint and a capture peak no larger than the peer's."""
+    lines = []
+    for config, rows in results.items():
+        for ours, peer in pairs:
+            if ours not in rows and peer not in rows:
+                continue
+            for key, field, what, unit in (("faster", "ms", "ms per step", "ms"),
+                                           ("footprint", "steady_reserved_mib", "steady footprint", "MiB"),
+                                           ("capture_peak", "build_peak_reserved_mib", "capture peak", "MiB")):
+                lines.append(_compare(config, f"{ours}_vs_{peer}_{key}", f"{ours} {what} <= {peer}'s",
+                                      rows, (ours, field), (peer, field), 1.0, unit))
     return lines
 
 

@@ -17,6 +17,8 @@ attention probabilities) and measures, one variant after the other in the same p
 * ``te_graph 3 buckets``  the stack graphed for s, s/2 and s/4 in one call
                           (``more_shapes=``, issue 14), the steps cycling through them;
 * ``torch graphed``       ``torch.cuda.make_graphed_callables(tuple(blocks), sample_args)``;
+* ``TE graphed``          Transformer Engine's ``make_graphed_callables`` on the same blocks
+                          (where TE is importable; an error row otherwise);
 * ``whole-step graph``    the eager step (grad zeroing, forward, loss, backward) captured as
                           one CUDA graph, replayed after copying the input in: no launch or
                           Python cost at all, only the kernels and the gaps between dependent
@@ -88,6 +90,7 @@ from _targets import (  # noqa: E402
     TE_GRAPH_BUCKETS,
     TE_GRAPH_RECOMPUTE,
     TORCH_GRAPHED,
+    TE_GRAPHED,
 )
 from torch import nn  # noqa: E402
 
@@ -104,7 +107,7 @@ CONFIGS = {
 # The table's order. Each row starts from a clean allocator (cuBLAS workspaces included),
 # so the order of the timed rows does not change their numbers; profiled rows run last.
 VARIANTS = (EAGER, EAGER_RECOMPUTE, EAGER_BUCKETS, TE_GRAPH, TE_GRAPH_RECOMPUTE,
-            TE_GRAPH_BUCKETS, TORCH_GRAPHED, WHOLE_STEP_GRAPH, KERNEL_FLOOR, FORWARD_KERNELS)
+            TE_GRAPH_BUCKETS, TORCH_GRAPHED, TE_GRAPHED, WHOLE_STEP_GRAPH, KERNEL_FLOOR, FORWARD_KERNELS)
 DROPOUT = 0.1
 SEED = 1234
 DEVICE = "cuda"  # a module constant so a CPU dry run of the plumbing can change it
@@ -210,6 +213,20 @@ def _torch_graphed(cfg: tuple) -> Built:
     return Built(make_train_step(graphed, _params(blocks)), keep=(blocks, graphed), capture_s=seconds)
 
 
+def _te_graphed(cfg: tuple) -> Built:
+    """Transformer Engine's make_graphed_callables on the same blocks (an error row where TE
+    is not importable). TE registers only its own tracker's generators with its graphs, so
+    its blocks draw attention dropout outside any fork, as the torch peer's do."""
+    from transformer_engine.pytorch import make_graphed_callables as te_make_graphed_callables
+
+    blocks = build_blocks(cfg, get_rng_tracker=_no_fork_tracker)
+    wrapped = tuple(_FirstOutput(b) for b in blocks)
+    samples = sample_args_for(cfg)
+    graphed, seconds = synchronised(lambda: te_make_graphed_callables(wrapped, samples))
+    return Built(make_train_step(graphed, _params(blocks)), keep=(blocks, graphed), capture_s=seconds,
+                 release=lambda: [g.reset() for g in graphed])
+
+
 def _whole_step_graph(cfg: tuple) -> Built:
     _, hidden, seq, batch = cfg
     blocks = build_blocks(cfg)
@@ -253,6 +270,7 @@ def variants_for(cfg: tuple) -> dict[str, Variant]:
         TE_GRAPH_RECOMPUTE: Variant(lambda: _te_graph(cfg, recompute=True)),
         TE_GRAPH_BUCKETS: Variant(lambda: _te_graph(cfg, buckets=True), inputs="buckets", labels=labels),
         TORCH_GRAPHED: Variant(lambda: _torch_graphed(cfg)),
+        TE_GRAPHED: Variant(lambda: _te_graphed(cfg)),
         WHOLE_STEP_GRAPH: Variant(lambda: _whole_step_graph(cfg)),
     }
 

@@ -13,9 +13,15 @@ that ``checkpoint()`` enters around the forward of every checkpointed region:
   graphed callable sets them, before each backward replay, to where the live streams stood
   when the matching forward replayed.
 
+Optionally the hook also has ``recomputed(outputs, inputs)``: a reentrant region calls it
+in its backward, after the recompute and before backpropagating through it, with the
+recomputed tensors and the fresh input leaves it made, so that te_graph's first warmup pass
+can check which leaves that backward would accumulate into (the forward ran the region
+under no_grad, so its autograd graph hides them).
+
 The hook is read only in the forward, on the thread that runs it (the autograd engine
 runs backwards on threads of its own, where a context variable set by the caller is not
-visible; nothing there needs it).
+visible): the region keeps the object it found for its backward.
 """
 from __future__ import annotations
 
@@ -35,6 +41,8 @@ class RegionHook(Protocol):
         """Wraps the forward of one checkpointed region; yields ``None`` (run eagerly) or
         the generators its recompute draws from, per stream key."""
         ...
+
+    # Optional: recomputed(outputs: list[Tensor], inputs: list[Tensor]) -> None (above).
 
 
 CAPTURE_HOOK: ContextVar[Optional[RegionHook]] = ContextVar("checkpointing_capture_hook", default=None)

@@ -179,6 +179,9 @@ class _ReentrantCheckpoint(torch.autograd.Function):
         with torch.enable_grad(), _enter(spec.recompute_context), spec.state.recompute():
             outputs = pytree.tree_leaves(spec.function(*inputs, **spec.kwargs))
         outputs = [o for o in outputs if isinstance(o, torch.Tensor)]
+        # A capture in preparation checks what this backward will accumulate into, which
+        # the forward's autograd graph did not show (the region ran under no_grad).
+        spec.state.recomputed(outputs, [i for i in inputs if isinstance(i, torch.Tensor)])
         pairs = [
             (o, g)
             for o, g in zip(outputs, grads)

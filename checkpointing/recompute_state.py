@@ -1,4 +1,5 @@
-"""What a recompute must get back from its forward: random streams and autocast state.
+"""What a recompute must get back from its forward: random streams and autocast state
+(torch's, and Transformer Engine's FP8 autocast where TE is in use: ``te_fp8``).
 
 Two ways to get the random numbers back:
 
@@ -20,6 +21,7 @@ import torch
 import rng
 
 from .capture_hook import CAPTURE_HOOK
+from .te_fp8 import TEFP8State
 
 _OUTSIDE_TE_GRAPH = (
     "checkpoint() is being captured into a CUDA graph without te_graph's capture hook, so "
@@ -56,6 +58,8 @@ class RecomputeState:
         self.tracker = tracker
         self.recompute_generators = None  # set during a te_graph capture
         self.snapshot = None  # set when the forward runs eagerly
+        self.hook = None  # the capture hook the forward ran under, if any
+        self.te_fp8 = TEFP8State()
         self.autocast = [_Autocast("cpu")]
         if torch.cuda.is_available():
             self.autocast.append(_Autocast("cuda"))
@@ -68,13 +72,22 @@ class RecomputeState:
             if _cuda_capturing():
                 raise RuntimeError(_OUTSIDE_TE_GRAPH)
             self.snapshot = rng.snapshot_streams(self.tracker)
-            yield
+            with self.te_fp8.forward():
+                yield
             return
-        with hook.forward_region() as generators:
+        self.hook = hook
+        with hook.forward_region() as generators, self.te_fp8.forward():
             self.recompute_generators = generators
             if generators is None:  # the hook only observes: an eager region
                 self.snapshot = rng.snapshot_streams(self.tracker)
             yield
+
+    def recomputed(self, outputs: list, inputs: list) -> None:
+        """After a reentrant recompute, before its backward: tell the capture hook the
+        forward ran under (if it listens) what the recompute built."""
+        listener = getattr(self.hook, "recomputed", None)
+        if listener is not None:
+            listener(outputs, inputs)
 
     @contextlib.contextmanager
     def recompute(self) -> Iterator[None]:
@@ -82,6 +95,7 @@ class RecomputeState:
         with contextlib.ExitStack() as stack:
             for autocast in self.autocast:
                 stack.enter_context(autocast.context())
+            stack.enter_context(self.te_fp8.recompute())
             if self.recompute_generators is not None:
                 device = torch.device("cuda", torch.cuda.current_device())
                 stack.enter_context(rng.streams_swapped(self.recompute_generators, self.tracker, device))

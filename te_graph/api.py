@@ -16,6 +16,7 @@ import rng
 from . import checks
 from .arguments import Samples, call_form, largest_first, make_specs, pool_handle, sample_sets
 from .capture import CaptureOptions, Prepared, prepare_graphs
+from .te_support import FP8Options, fp8_options, fp8_replay
 from .graphed import GraphedCallable, graphed_callable_of, install_on_module
 from .options import GraphOptions, eager_replay_default, graph_options
 from .records import GraphSpec
@@ -140,13 +141,14 @@ def make_graphed_callables(
     # 2. Check everything before anything changes.
     callables_ = checks.check_callables(modules)
     single = not isinstance(modules, (tuple, list))
+    fp8 = fp8_options(dict(options.fp8_arguments), callables_)
     checks.check_environment(options.eager_replay)
     checks.check_modules(callables_)
     sets = sample_sets(sample_args, sample_kwargs, options.more_shapes, single and options.order is None, len(callables_))
 
     # 3. Plan: the graphs and the sequence their forwards and backwards run in.
     schedule = plan_schedule(len(callables_), len(sets[0][0]), options.order, options.num_layers_per_chunk)
-    spec_sets = make_specs(callables_, sets, schedule, options)
+    spec_sets = make_specs(callables_, sets, schedule, options, fp8)
     for specs in spec_sets:
         checks.check_devices([s.func for s in specs], [s.layout for s in specs], options.eager_replay)
 
@@ -155,10 +157,10 @@ def make_graphed_callables(
     if pool is None and not options.eager_replay:
         pool = torch.cuda.graph_pool_handle()
     first = largest_first(spec_sets)
-    prepared = prepare_graphs([spec_sets[i] for i in first], schedule.steps, _capture_options(options, pool, tracker))
+    prepared = prepare_graphs([spec_sets[i] for i in first], schedule.steps, _capture_options(options, pool, tracker, fp8))
 
     # 5. Wrap: one graphed callable per graph; modules keep their identity.
-    graphed = _wrap(spec_sets, _in_given_order(prepared, first), options, pool)
+    graphed = _wrap(spec_sets, _in_given_order(prepared, first), options, pool, fp8)
     if options.order is not None:
         return tuple(graphed)
     results = []
@@ -199,7 +201,7 @@ def reset(*graphed: Any) -> None:
         callable_.reset()
 
 
-def _capture_options(options: GraphOptions, pool: Any, tracker: Any) -> CaptureOptions:
+def _capture_options(options: GraphOptions, pool: Any, tracker: Any, fp8: FP8Options) -> CaptureOptions:
     return CaptureOptions(
         num_warmup_iters=options.num_warmup_iters,
         allow_unused_input=options.allow_unused_input,
@@ -211,6 +213,7 @@ def _capture_options(options: GraphOptions, pool: Any, tracker: Any) -> CaptureO
         capture_error_mode=options.capture_error_mode,
         pre_warmup_hook=options.pre_warmup_hook,
         post_warmup_hook=options.post_warmup_hook,
+        fp8=fp8,
     )
 
 
@@ -224,7 +227,8 @@ def _in_given_order(prepared: Prepared, order: list[int]) -> Prepared:
     return Prepared(back(prepared.warmups), back(prepared.plans), back(prepared.captured))
 
 
-def _wrap(spec_sets: list[list[GraphSpec]], prepared: Prepared, options: GraphOptions, pool: Any) -> list[GraphedCallable]:
+def _wrap(spec_sets: list[list[GraphSpec]], prepared: Prepared, options: GraphOptions, pool: Any,
+          fp8: FP8Options) -> list[GraphedCallable]:
     """One GraphedCallable per graph, holding a runner per sample set."""
     replay = ReplayOptions(
         always_autograd=options.accumulate_grads_in_graph is False,
@@ -235,7 +239,9 @@ def _wrap(spec_sets: list[list[GraphSpec]], prepared: Prepared, options: GraphOp
     def runner(variant: int, index: int):
         spec = spec_sets[variant][index]
         if prepared.captured is None:
-            return EagerRunner(spec, prepared.warmups[variant][index], clock, variant)
+            warmup = prepared.warmups[variant][index]
+            checks_ = fp8_replay(spec.fp8, fp8, warmup.te_modules, spec.has_te, graphs=False)
+            return EagerRunner(spec, warmup, checks_, clock, variant)
         return GraphRunner(spec, prepared.captured[variant][index], replay, clock, variant)
 
     return [

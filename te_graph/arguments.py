@@ -12,6 +12,7 @@ import torch
 from .checks import check_sample_kwargs
 from .graphed import graphed_callable_of
 from .hooks import normalise_capture_time_hooks
+from .te_support import FP8Options
 from .options import GraphOptions
 from .records import GraphSpec, make_spec
 from .schedule import Schedule
@@ -62,7 +63,8 @@ def sample_sets(sample_args: Any, sample_kwargs: Any, more_shapes: Sequence[Any]
 
 
 def make_specs(
-    callables: Sequence[Callable], sets: Sequence[tuple[tuple, tuple]], schedule: Schedule, options: GraphOptions
+    callables: Sequence[Callable], sets: Sequence[tuple[tuple, tuple]], schedule: Schedule, options: GraphOptions,
+    fp8: FP8Options,
 ) -> list[list[GraphSpec]]:
     """One frozen spec per graph of the schedule, per sample set."""
     owners = [_name(c, i) for i, c in enumerate(callables)]
@@ -80,6 +82,7 @@ def make_specs(
                 grad_enabled,
                 options.retain_graph_in_backward,
                 hooks[slot.callable_index],
+                fp8.enabled[slot.callable_index],
             )
             for slot in schedule.graphs
         ]

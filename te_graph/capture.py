@@ -1,7 +1,8 @@
 """Warmup and capture: the algorithm, told top to bottom.
 
 1. Save what warmup and capture will touch: RNG states, module buffers, inputs the
-   callables update in place (found in the first warmup pass); put stand-ins in
+   callables update in place (found in the first warmup pass), Transformer Engine's FP8
+   meta (``te_support``); put stand-ins in
    place of the trainable parameters (``parameters``), so autograd accumulates into them
    and no hook of a real parameter runs while we prepare the graphs.
 2. Warm up (``warmup``), on the side stream later used for capture: one
@@ -33,6 +34,7 @@ import rng
 from checkpointing.capture_hook import capture_hook_set
 
 from . import compat
+from .te_support import FP8Capture, FP8Options, forget_stand_in_caches, fp8_replay
 from .grads import ParamGrads, grads_redirected
 from .layout import OutputLayout
 from .module_state import InputUpdates, ModuleBuffers
@@ -42,7 +44,7 @@ from .recompute_rng import NO_SYNC, RecomputeRNG, TrackerSync
 from .records import CapturedGraph, GraphSpec, WarmupRecord
 from .resources import RESOURCES
 from .schedule import FORWARD, Step
-from .warmup import grad_mode, warm_up
+from .warmup import fp8_context, grad_mode, warm_up
 
 __all__ = ["CaptureOptions", "Prepared", "prepare_graphs"]
 
@@ -61,6 +63,7 @@ class CaptureOptions:
     chain_grads: bool = False  # plain schedule: layer i reads layer i+1's input-grad buffer
     pre_warmup_hook: Optional[Callable[[], None]] = None
     post_warmup_hook: Optional[Callable[[], None]] = None
+    fp8: Optional[FP8Options] = None  # Transformer Engine's FP8 arguments, normalised
 
 
 class Prepared(NamedTuple):
@@ -85,6 +88,7 @@ def prepare_graphs(spec_sets: Sequence[Sequence[GraphSpec]], steps: Sequence[Ste
     stand_ins = StandIns(modules.values())
     updates = InputUpdates()
     snapshot = rng.snapshot_streams(options.tracker)
+    fp8 = FP8Capture(options.fp8, list(modules.values())) if options.fp8 is not None and options.fp8.on else None
     gc_enabled = gc.isenabled()
     stream = None
     home_stream = None if options.eager_replay else torch.cuda.current_stream()
@@ -98,12 +102,12 @@ def prepare_graphs(spec_sets: Sequence[Sequence[GraphSpec]], steps: Sequence[Ste
         # torch's own capture no longer does it either.
         gc.disable()
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            with stand_ins.installed():
+            with stand_ins.installed(), fp8.active() if fp8 is not None else contextlib.nullcontext():
                 if options.pre_warmup_hook is not None:
                     options.pre_warmup_hook()
                 warmups = [
                     warm_up(shape_specs, steps, options.num_warmup_iters, options.allow_unused_input,
-                            options.tracker, not options.eager_replay, stand_ins, buffers, updates)
+                            options.tracker, not options.eager_replay, stand_ins, buffers, updates, fp8)
                     for shape_specs in spec_sets
                 ]
                 if options.post_warmup_hook is not None:
@@ -117,7 +121,7 @@ def prepare_graphs(spec_sets: Sequence[Sequence[GraphSpec]], steps: Sequence[Ste
                 torch.cuda.empty_cache()
                 param_grads = _allocate_grad_buffers(spec_sets, home_stream, stream)
                 captured = [
-                    _capture(*per_set, steps, options, stand_ins, home_stream)
+                    _capture(*per_set, steps, options, stand_ins, home_stream, fp8)
                     for per_set in zip(spec_sets, warmups, plans, param_grads)
                 ]
                 buffers.check_not_reassigned()
@@ -130,6 +134,7 @@ def prepare_graphs(spec_sets: Sequence[Sequence[GraphSpec]], steps: Sequence[Ste
         rng.restore_streams(options.tracker, snapshot)
         buffers.restore()
         updates.restore()
+        forget_stand_in_caches(list(modules.values()))
 
 
 def _plan(specs: Sequence[GraphSpec], warmups: Sequence[WarmupRecord], steps, options: CaptureOptions) -> tuple[GraphPlan, ...]:
@@ -189,6 +194,7 @@ def _capture(
     options: CaptureOptions,
     stand_ins: StandIns,
     home_stream,
+    fp8: Optional[FP8Capture],
 ) -> list[CapturedGraph]:
     """Capture the graphs of one sample set in ``steps`` order, as ``plans`` say."""
     device = torch.device("cuda", torch.cuda.current_device())
@@ -203,9 +209,9 @@ def _capture(
         if step.kind == FORWARD:
             donor = captured[plan.donor] if plan.donor is not None else None
             static_inputs = donor.static_inputs if donor is not None else spec.static_inputs
-            forwards[index] = _capture_forward(spec, static_inputs, rngs[index], mempool, mode)
+            forwards[index] = _capture_forward(spec, static_inputs, rngs[index], mempool, mode, fp8)
             if not spec.needs_backward:
-                captured[index] = _record(forwards.pop(index), None, (), (), None, rngs[index], warmup, plan, options)
+                captured[index] = _record(spec, forwards.pop(index), None, (), (), None, rngs[index], warmup, plan, options)
             continue
         if not spec.needs_backward:
             continue
@@ -214,11 +220,11 @@ def _capture(
         graph, grad_inputs = _capture_backward(
             spec, forward, grad_outputs, param_grads[index], rngs[index], mempool, mode, stand_ins
         )
-        captured[index] = _record(forward, graph, grad_outputs, grad_inputs, param_grads[index], rngs[index], warmup, plan, options)
+        captured[index] = _record(spec, forward, graph, grad_outputs, grad_inputs, param_grads[index], rngs[index], warmup, plan, options)
     return [captured[i] for i in range(len(specs))]
 
 
-def _record(forward: _Forward, bwd_graph, grad_outputs, grad_inputs, param_grads, recompute: RecomputeRNG,
+def _record(spec: GraphSpec, forward: _Forward, bwd_graph, grad_outputs, grad_inputs, param_grads, recompute: RecomputeRNG,
             warmup: WarmupRecord, plan: GraphPlan, options: CaptureOptions) -> CapturedGraph:
     output = forward.output
     if plan.releases_buffers:
@@ -244,6 +250,7 @@ def _record(forward: _Forward, bwd_graph, grad_outputs, grad_inputs, param_grads
         ),
         lends_grad_buffer=plan.lends_grad_buffer,
         updated_inputs=warmup.updated,
+        fp8=fp8_replay(spec.fp8, options.fp8, warmup.te_modules, spec.has_te, graphs=True),
     )
 
 
@@ -279,18 +286,19 @@ def _capturing(graph: Any, mempool: Any, generators: Sequence[torch.Generator], 
     graph.capture_end()
 
 
-def _capture_forward(spec: GraphSpec, static_inputs: tuple, recompute: RecomputeRNG, mempool: Any, mode: str) -> _Forward:
+def _capture_forward(spec: GraphSpec, static_inputs: tuple, recompute: RecomputeRNG, mempool: Any, mode: str,
+                     fp8: Optional[FP8Capture]) -> _Forward:
     graph = torch.cuda.CUDAGraph()
     args, kwargs = spec.layout.unflatten(static_inputs)
     regions = recompute.capture_hook()
     if spec.hooks is not None:
-        spec.hooks.forward_pre(spec.func, args, kwargs)
+        spec.hooks.run("forward_pre_hooks", spec.func)
     with _capturing(graph, mempool, recompute.forward_generators, mode):
-        with capture_hook_set(regions), grad_mode(spec):
+        with capture_hook_set(regions), grad_mode(spec), fp8_context(fp8, spec):
             outputs = spec.call(*args, **kwargs)
     regions.check_complete()
     if spec.hooks is not None:
-        spec.hooks.forward(spec.func, args, kwargs, outputs)
+        spec.hooks.run("forward_hooks", spec.func)
     return _Forward(graph, static_inputs, OutputLayout(spec.name, outputs))
 
 
@@ -302,7 +310,7 @@ def _capture_backward(spec: GraphSpec, forward: _Forward, grad_outputs: tuple, p
     stand = stand_ins(spec.params)
     graph = torch.cuda.CUDAGraph()
     if spec.hooks is not None:
-        spec.hooks.backward_pre(spec.func, tuple(grads))
+        spec.hooks.run("backward_pre_hooks", spec.func)
     with grads_redirected([t for t in inputs if t.requires_grad], stand, param_grads.buffers):
         with _capturing(graph, mempool, recompute.backward_generators, mode):
             if differentiable:
@@ -316,5 +324,5 @@ def _capture_backward(spec: GraphSpec, forward: _Forward, grad_outputs: tuple, p
                     "differently laid out gradient?); such a parameter cannot be graphed."
                 )
     if spec.hooks is not None:
-        spec.hooks.backward(spec.func, tuple(g for g in grad_inputs if g is not None), tuple(grads))
+        spec.hooks.run("backward_hooks", spec.func)
     return graph, grad_inputs

@@ -94,6 +94,16 @@ def check_modules(callables: Sequence[Callable]) -> None:
                     "graphed forward), or pass them as capture_time_hooks=... to run them "
                     "while the graphs are prepared."
                 )
+        for name, p in c.named_parameters():
+            if p.requires_grad and type(p).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:
+                raise ValueError(
+                    f"make_graphed_callables: parameter {name!r} of callable {index} is a "
+                    f"{type(p).__name__}, a tensor subclass with its own dispatch (FP8 primary "
+                    "weights from Transformer Engine's quantized_model_init, a DTensor, ...); "
+                    "te_graph graphs plain parameters. Build the module without "
+                    "quantized_model_init (te.autocast still computes in FP8), or graph it with "
+                    "Transformer Engine's make_graphed_callables."
+                )
         for name, buffer in c.named_buffers():
             if buffer.requires_grad:
                 raise ValueError(

@@ -34,6 +34,7 @@ __all__ = [
     "zero_",
     "version_of",
     "bump_version",
+    "is_fake",
 ]
 
 
@@ -134,6 +135,18 @@ def zero_(tensors: Sequence[torch.Tensor]) -> None:
 # (``torch.autograd.graph.increment_version``, public since torch 2.1).
 version_of = operator.attrgetter("_version")
 bump_version: Callable[[torch.Tensor], None] = torch.autograd.graph.increment_version
+
+
+def is_fake(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a ``torch.compile`` trace's fake tensor (``FakeTensor``, private,
+    torch >= 2.0), which lives in compile caches and stands for no real memory."""
+    return isinstance(t, _FAKE_TENSOR)
+
+
+try:
+    from torch._subclasses.fake_tensor import FakeTensor as _FAKE_TENSOR
+except ImportError:  # pragma: no cover - a torch without it has no fake tensors to skip
+    _FAKE_TENSOR = ()
 
 
 # -- hooks, parameters and buffers ----------------------------------------------------------

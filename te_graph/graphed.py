@@ -34,6 +34,9 @@ class GraphedCallable:
         self._unseen_shape = unseen_shape
         self._warned = False
         self._reset = False
+        # Transformer Engine's per-call keyword, taken off the calls of a callable holding TE
+        # modules (as TE's graphed callables do) unless it was a captured keyword.
+        self._pops_first_microbatch = spec.has_te and "is_first_microbatch" not in spec.layout.kw_keys
         self.pool = pool
         self.__name__ = spec.name
         RESOURCES.add_callable(self)
@@ -41,13 +44,14 @@ class GraphedCallable:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._module is not None and self._module.training != self._training:
             return self._eager(*args, **kwargs)
+        first = kwargs.pop("is_first_microbatch", None) if self._pops_first_microbatch else None
         runner = self._single
         if runner is None:
-            return self._dispatch(args, kwargs)
+            return self._dispatch(args, kwargs, first)
         tensors = runner.layout.flatten(args, kwargs)
-        return runner.output.build(run(runner, tensors))
+        return runner.output.build(run(runner, tensors, first))
 
-    def _dispatch(self, args: tuple, kwargs: dict) -> Any:
+    def _dispatch(self, args: tuple, kwargs: dict, first: Any) -> Any:
         if self._reset:
             raise RuntimeError(
                 f"{self.__name__}: this graphed callable was reset(), which freed its graphs and "
@@ -59,7 +63,7 @@ class GraphedCallable:
         if runner is None:
             return self._unseen(args, kwargs, tensors)
         runner.layout.check(tensors)
-        return runner.output.build(run(runner, tensors))
+        return runner.output.build(run(runner, tensors, first))
 
     def _unseen(self, args: tuple, kwargs: dict, tensors: list) -> Any:
         captured = "; ".join(shapes_text(shape) for shape in self._runners)

@@ -33,7 +33,7 @@ class ModuleBuffers:
                 if id(sub) in seen:
                     continue
                 seen.add(id(sub))
-                for name, buffer in sub._buffers.items():
+                for name, buffer in compat.buffer_slots(sub).items():
                     if buffer is not None:
                         qualified = f"{prefix}.{name}" if prefix else name
                         self._slots.append((where, sub, name, qualified, buffer))
@@ -42,7 +42,7 @@ class ModuleBuffers:
     def check_not_reassigned(self) -> None:
         """Raise if a forward replaced a buffer instead of updating it in place."""
         for where, module, name, qualified, buffer in self._slots:
-            if module._buffers.get(name) is not buffer:
+            if compat.buffer_slots(module).get(name) is not buffer:
                 raise ValueError(
                     f"make_graphed_callables: the forward of {where} reassigns its buffer "
                     f"{qualified!r} (like `self.{name} = self.{name} + 1`); a graph cannot replay "
@@ -54,7 +54,7 @@ class ModuleBuffers:
         """Put every buffer object back in its module and copy its saved value into it."""
         with torch.no_grad():
             for (_, module, name, _, buffer), saved in zip(self._slots, self._saved):
-                module._buffers[name] = buffer
+                compat.buffer_slots(module)[name] = buffer
                 buffer.copy_(saved)
 
 

@@ -2,7 +2,8 @@
 
 Accepts Transformer Engine's spellings of the same options (``_order``,
 ``_num_layers_per_chunk``, ``_reuse_graph_input_output_buffers``), so callers written for
-TE work unchanged, and refuses anything else it does not know, suggesting the close name.
+TE work unchanged, and its FP8 arguments (normalised in ``te_support``), and refuses anything else
+it does not know, suggesting the close name.
 """
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
 
+from .te_support import FP8_ARGUMENTS
+
 __all__ = ["GraphOptions", "graph_options", "eager_replay_default"]
 
 _TE_ALIASES = {
@@ -19,11 +22,6 @@ _TE_ALIASES = {
     "_num_layers_per_chunk": "num_layers_per_chunk",
     "_reuse_graph_input_output_buffers": "reuse_graph_input_output_buffers",
 }
-# Transformer Engine arguments accepted for drop-in calls, as long as FP8 stays off.
-_TE_FP8_ARGS = (
-    "fp8_enabled", "fp8_calibrating", "fp8_recipe", "fp8_group", "fp8_weight_caching",
-    "enabled", "calibrating", "recipe", "amax_reduction_group", "cache_quantized_params",
-)
 _CALL_FORM_ARGS = ("modules", "callables", "sample_args", "sample_kwargs")
 _CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
 
@@ -55,12 +53,14 @@ class GraphOptions:
     unseen_shape: str = "error"
     eager_replay: bool = False
     get_rng_state_tracker: Optional[Callable[[], Any]] = None
+    fp8_arguments: tuple = ()  # TE's FP8 arguments as given, (name, value) pairs (``te_support``)
 
 
 def graph_options(te_arguments: Mapping[str, Any], **given: Any) -> GraphOptions:
     """``given`` (make_graphed_callables' own keywords) with TE's spellings in
     ``te_arguments`` folded in, checked; nothing has been changed when this raises."""
     options = dict(given)
+    fp8: list = []
     for name, value in te_arguments.items():
         if name in _TE_ALIASES:
             target = _TE_ALIASES[name]
@@ -68,13 +68,8 @@ def graph_options(te_arguments: Mapping[str, Any], **given: Any) -> GraphOptions
                 raise TypeError(f"make_graphed_callables: got both {target}= and {name}=; pass one of them.")
             if value not in (None, False):
                 options[target] = value
-        elif name in _TE_FP8_ARGS:
-            if value not in (None, False):
-                raise NotImplementedError(
-                    f"make_graphed_callables: FP8 capture is not supported ({name}={value!r}); "
-                    "call Transformer Engine's make_graphed_callables for FP8 layers, or leave "
-                    "the fp8 arguments off."
-                )
+        elif name in FP8_ARGUMENTS:
+            fp8.append((name, value))
         else:
             raise TypeError(_unexpected_keyword(name))
     if options["eager_replay"] is None:
@@ -82,13 +77,13 @@ def graph_options(te_arguments: Mapping[str, Any], **given: Any) -> GraphOptions
     if options["order"] is not None:
         options["order"] = tuple(options["order"])
     options["more_shapes"] = tuple(options["more_shapes"])
-    result = GraphOptions(**options)
+    result = GraphOptions(**options, fp8_arguments=tuple(fp8))
     _check(result)
     return result
 
 
 def _unexpected_keyword(name: str) -> str:
-    known = [f.name for f in dataclasses.fields(GraphOptions)] + list(_CALL_FORM_ARGS) + list(_TE_ALIASES) + list(_TE_FP8_ARGS)
+    known = [f.name for f in dataclasses.fields(GraphOptions)] + list(_CALL_FORM_ARGS) + list(_TE_ALIASES) + list(FP8_ARGUMENTS)
     close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
     hint = f"; did you mean {close[0]!r}?" if close else "; see help(te_graph.make_graphed_callables) for the accepted ones."
     return f"make_graphed_callables() got an unexpected keyword argument {name!r}{hint}"

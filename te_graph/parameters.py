@@ -14,16 +14,17 @@ through autograd, where their hooks run once per backward as in eager code.
 A callable that trains a tensor the graph cannot see (a leaf requiring grad that is neither
 a static input nor a parameter of a graphed module, e.g. a weight a function closes over)
 would get its gradient accumulated into whatever ``.grad`` it had at capture, forever:
-:class:`ForeignLeaves` finds such tensors in the last warmup pass and the capture refuses.
+:class:`ForeignLeaves` finds such tensors in the first warmup pass and the capture refuses.
 """
 from __future__ import annotations
 
 import contextlib
+import gc
 from typing import Iterable, Iterator, Sequence
 
 import torch
-from torch.overrides import TorchFunctionMode
 
+from . import compat
 from .layout import describe
 
 __all__ = ["StandIns", "ForeignLeaves"]
@@ -42,7 +43,7 @@ class StandIns:
                 if id(sub) in seen_modules:
                     continue
                 seen_modules.add(id(sub))
-                for name, p in sub._parameters.items():
+                for name, p in compat.parameter_slots(sub).items():
                     if p is None or not p.requires_grad:
                         continue
                     if id(p) not in self.of:
@@ -62,55 +63,106 @@ class StandIns:
         on exit, also when the block raises."""
         try:
             for module, name, p in self._slots:
-                module._parameters[name] = self.of[id(p)]
+                compat.parameter_slots(module)[name] = self.of[id(p)]
             yield
         finally:
             for module, name, p in self._slots:
-                module._parameters[name] = p
+                compat.parameter_slots(module)[name] = p
 
 
-def _tensors(value: object) -> Iterator[torch.Tensor]:
-    """The tensors in a torch function's arguments: nested tuples, lists and dicts (what
-    torch functions take), without pytree's generality, which costs on every op."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from _tensors(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _tensors(item)
+# The backward nodes of reentrant checkpoints other than ours (torch.utils.checkpoint and
+# Megatron-core's ``CheckpointFunction``; Transformer Engine's ``_CheckpointFunction``): they
+# run their region under no_grad, so its leaves are not in the forward's autograd graph, and
+# their recompute cannot report them (ours does, through ``checkpointing.capture_hook``).
+OPAQUE_RECOMPUTE_NODES = frozenset({"CheckpointFunctionBackward", "_CheckpointFunctionBackward"})
 
 
-class ForeignLeaves(TorchFunctionMode):
-    """Records the leaves requiring grad that torch functions receive, other than ``allowed``."""
+class ForeignLeaves:
+    """The leaves a graph's backward would accumulate into, other than ``allowed``; used
+    around the first warmup forward and backward of one graph, and raising before any
+    gradient reaches such a leaf.
 
-    def __init__(self, allowed: Iterable[torch.Tensor]):
-        super().__init__()
+    Exact: it walks the autograd graph of the forward's outputs (the leaves it reaches are
+    those autograd accumulates into) and of each checkpointed region's recompute (reported by
+    ``checkpointing`` before the region's backward runs), so tensors that only pass through a
+    function under no_grad, the fake tensors of a ``torch.compile`` trace and views of
+    parameters made inside an autograd Function are not counted. Where another library's
+    reentrant checkpoint hides a region, every other leaf of the process has its ``.grad``
+    set aside for the backward (a scan of the process's objects, paid only then): the leaves
+    that get one are foreign, and every ``.grad`` is put back on exit.
+    """
+
+    def __init__(self, name: str, allowed: Iterable[torch.Tensor]):
+        self.name = name
         self.allowed = {id(t) for t in allowed}
         self.found: dict[int, torch.Tensor] = {}
+        self._set_aside: list[tuple[torch.Tensor, object]] = []
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        for leaf in _tensors((args, kwargs)):
-            if leaf.requires_grad and leaf.is_leaf:
-                # A view made with grad off (weight.t() inside an autograd Function's
-                # forward) is a leaf too: judge it by the tensor it views.
-                base = leaf
-                while base._base is not None:
-                    base = base._base
-                if id(base) not in self.allowed:
-                    self.found.setdefault(id(base), base)
-        return func(*args, **kwargs)
+    def __enter__(self) -> "ForeignLeaves":
+        return self
 
-    def raise_if_any(self, name: str) -> None:
+    def __exit__(self, *exc: object) -> None:
+        for leaf, grad in self._set_aside:
+            leaf.grad = grad
+        self._set_aside = []
+
+    def check_forward(self, outputs: Iterable[torch.Tensor]) -> None:
+        """After the forward: raise for a foreign leaf its autograd graph reaches."""
+        if self._walk(outputs, self.allowed):
+            self._set_aside = [(leaf, leaf.grad) for leaf in _other_leaves(self.allowed)]
+            for leaf, _ in self._set_aside:
+                leaf.grad = None
+        self._raise_if_any()
+
+    def recomputed(self, outputs: Iterable[torch.Tensor], inputs: Iterable[torch.Tensor]) -> None:
+        """A checkpointed region's recompute, before its backward: its inputs are fresh
+        leaves whose grads it returns; anything else it reaches must be allowed."""
+        differentiable = [o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad]
+        self._walk(differentiable, self.allowed | {id(t) for t in inputs})
+        self._raise_if_any()
+
+    def check_backward(self) -> None:
+        """After the backward: where a hidden region was met, the leaves that got a grad."""
+        for leaf, _ in self._set_aside:
+            if leaf.grad is not None:
+                self.found.setdefault(id(leaf), leaf)
+        self._raise_if_any()
+
+    def _walk(self, outputs: Iterable[torch.Tensor], allowed: set) -> bool:
+        """Record the foreign leaves reached; True where a hidden region was met."""
+        stack = [o.grad_fn for o in outputs if o.grad_fn is not None]
+        seen: set = set()
+        opaque = False
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            variable = getattr(node, "variable", None)  # an AccumulateGrad node's leaf
+            if variable is not None and id(variable) not in allowed:
+                self.found.setdefault(id(variable), variable)
+            opaque = opaque or type(node).__name__ in OPAQUE_RECOMPUTE_NODES
+            stack.extend(next_node for next_node, _ in node.next_functions)
+        return opaque
+
+    def _raise_if_any(self) -> None:
         if not self.found:
             return
         what = "; ".join(describe(t) for t in list(self.found.values())[:3])
         raise ValueError(
-            f"make_graphed_callables: {name} uses {len(self.found)} tensor(s) that require grad "
-            f"but are neither its inputs nor parameters of a graphed module ({what}). The "
+            f"make_graphed_callables: {self.name} uses {len(self.found)} tensor(s) that require "
+            f"grad but are neither its inputs nor parameters of a graphed module ({what}). The "
             "graph would accumulate their gradient into whatever .grad they had at capture. "
             "Pass such a tensor as an input, make it a parameter of the module you graph, or "
             "set requires_grad=False on it."
         )
+
+
+def _other_leaves(allowed: set) -> list[torch.Tensor]:
+    """Every leaf requiring grad in the process but ``allowed`` (a scan of gc's objects)."""
+    return [
+        obj for obj in gc.get_objects()
+        # type(), not isinstance(): gc also holds weak proxies, whose referent may be gone
+        if issubclass(type(obj), torch.Tensor) and not compat.is_fake(obj)
+        and obj.requires_grad and obj.is_leaf and id(obj) not in allowed
+    ]

@@ -16,6 +16,7 @@ import torch
 
 from .grads import ParamGrads
 from .hooks import CaptureTimeHooks
+from .te_support import te_modules_in
 from .layout import InputLayout, OutputLayout
 from .recompute_rng import StreamUse
 
@@ -37,6 +38,8 @@ class GraphSpec:
     needs_backward: bool
     retain_graph: bool = False
     hooks: Optional[CaptureTimeHooks] = None
+    fp8: bool = False  # runs under Transformer Engine's FP8 autocast (``te_support``)
+    has_te: bool = False  # holds Transformer Engine modules
 
     @property
     def grad_inputs(self) -> tuple[torch.Tensor, ...]:
@@ -52,6 +55,7 @@ def make_spec(
     grad_enabled: bool,
     retain_graph: bool,
     hooks: Optional[CaptureTimeHooks] = None,
+    fp8: bool = False,
 ) -> GraphSpec:
     """Static inputs are detached leaves sharing the sample tensors' memory.
 
@@ -68,7 +72,10 @@ def make_spec(
     needs_backward = grad_enabled and (any(t.requires_grad for t in layout.samples) or bool(params))
     static = tuple(t.detach().requires_grad_(t.requires_grad and needs_backward) for t in layout.samples)
     call = func.forward if isinstance(func, torch.nn.Module) else func
-    return GraphSpec(name, owner, func, call, layout, static, params, training, needs_backward, retain_graph, hooks)
+    return GraphSpec(
+        name, owner, func, call, layout, static, params, training, needs_backward, retain_graph, hooks,
+        fp8, te_modules_in(func),
+    )
 
 
 @dataclass(frozen=True)
@@ -78,6 +85,7 @@ class WarmupRecord:
     output: OutputLayout  # the outputs' layout (meta tensors: no memory is kept)
     unused: tuple[int, ...]  # inputs requiring grad that no output depends on
     updated: tuple[int, ...]  # inputs the forward updates in place (copied back at replay)
+    te_modules: tuple = ()  # the Transformer Engine modules its forward runs
     forward_draws: Optional[StreamUse] = None  # last pass, graphs only: streams drawn from
     backward_draws: Optional[StreamUse] = None
 
@@ -98,3 +106,4 @@ class CapturedGraph:
     sync_backward: Any
     lends_grad_buffer: bool  # its input-grad buffer is another graph's grad-output buffer
     updated_inputs: tuple[int, ...] = ()  # inputs the forward updates in place
+    fp8: Any = None  # te_support.fp8_replay(): Transformer Engine's FP8 bookkeeping around replays

@@ -24,6 +24,7 @@ from typing import Any, Optional
 import torch
 
 from . import compat
+from .te_support import accepts_is_first_microbatch
 from .grads import grads_redirected
 from .records import CapturedGraph, GraphSpec, WarmupRecord
 
@@ -82,9 +83,10 @@ NO_CLOCK = _NoClock()
 class Invocation:
     """One forward call's state, kept on its autograd node until its backward."""
 
-    __slots__ = ("generation", "tick", "record", "copy_grads", "outputs", "backwards", "through_autograd")
+    __slots__ = ("generation", "tick", "record", "copy_grads", "outputs", "backwards", "through_autograd", "fp8_first")
 
-    def __init__(self, generation: int, tick: int, record: tuple, copy_grads: tuple, through_autograd: bool, outputs: Any = None):
+    def __init__(self, generation: int, tick: int, record: tuple, copy_grads: tuple, through_autograd: bool,
+                 outputs: Any = None, fp8_first: bool = False):
         self.backwards = 0  # how many times this call's backward ran (retain_graph)
         self.generation = generation
         self.tick = tick
@@ -92,6 +94,7 @@ class Invocation:
         self.copy_grads = copy_grads  # per input: hand its grad on as a copy (_grad_copied)
         self.through_autograd = through_autograd
         self.outputs = outputs  # eager replay only: the live outputs to backprop through
+        self.fp8_first = fp8_first  # the first FP8 call of its te.autocast (te_support.FP8Replay)
 
 
 class Runner:
@@ -123,24 +126,23 @@ class Runner:
         self.generation = 0
 
     def _copy_inputs(self, inputs: tuple[torch.Tensor, ...]) -> None:
-        """Each input into its static buffer, unless it lies there already: same address
-        and same strides (shape and dtype are checked by the layout); the strides are read
-        only where the addresses match, so the common path pays nothing for them."""
-        for static, t in zip(self.static_inputs, inputs):
-            if t.data_ptr() != static.data_ptr() or t.stride() != static.stride():
-                _copy_into(static, t)
+        """Each input into its static buffer, unless it lies there already (``_copy_in``)."""
+        for slot, t in zip(self.input_slots, inputs):
+            _copy_in(slot, t)
         self.generation += 1
 
     def _copy_back(self, inputs: tuple[torch.Tensor, ...]) -> None:
         """After the forward: the inputs it updated in place get the update, as in eager
         code (their version counter moves too, as an eager in-place op's would)."""
         for index in self.updated:
-            t, static = inputs[index], self.static_inputs[index]
-            if t.data_ptr() != static.data_ptr() or t.stride() != static.stride():
-                with torch.no_grad():
-                    _copy_into(t, static)
-            else:
-                compat.bump_version(t)
+            slot, t = self.input_slots[index], inputs[index]
+            if t.data_ptr() == slot.ptr and t.stride() == slot.stride:
+                compat.bump_version(t)  # it is the static buffer: the update is in it
+                continue
+            storage = t.untyped_storage()
+            shares = slot.lo <= t.data_ptr() < slot.hi or storage.data_ptr() <= slot.ptr < storage.data_ptr() + storage.nbytes()
+            with torch.no_grad():
+                t.copy_(slot.tensor.clone() if shares else slot.tensor)
 
     def _check_fresh(self, invocation: Invocation) -> None:
         invocation.backwards += 1
@@ -173,6 +175,8 @@ class GraphRunner(Runner):
         super().__init__(spec, clock, variant, graph.updated_inputs)
         self.graph = graph
         self.static_inputs = graph.static_inputs
+        self.input_slots = tuple(map(_Slot, graph.static_inputs))
+        self.grad_output_slots = tuple(None if g is None else _Slot(g) for g in graph.static_grad_outputs)
         self.output = graph.output
         self.static_outputs = graph.output.tensors
         self.non_differentiable = tuple(i for i, o in enumerate(self.static_outputs) if not o.requires_grad)
@@ -206,8 +210,10 @@ class GraphRunner(Runner):
         other = node.runner.graph
         return other is None or (self.graph.lends_grad_buffer and all(g is not buffer for g in other.static_grad_outputs))
 
-    def forward(self, inputs: tuple[torch.Tensor, ...], through_autograd: bool, with_backward: bool = True) -> tuple[Invocation, tuple]:
+    def forward(self, inputs: tuple[torch.Tensor, ...], through_autograd: bool, with_backward: bool = True,
+                is_first_microbatch: Any = None) -> tuple[Invocation, tuple]:
         graph = self.graph
+        fp8_first = graph.fp8.before_forward(self.name, is_first_microbatch)
         self._copy_inputs(inputs)
         copy_grads = tuple(map(self._grad_copied, inputs, graph.static_grad_inputs)) if with_backward else ()
         moved = graph.sync_forward.before_replay(self.name)
@@ -219,18 +225,18 @@ class GraphRunner(Runner):
         if self.updated:
             self._copy_back(inputs)
         outputs = tuple(o.detach() for o in self.static_outputs)
-        return Invocation(self.generation, tick, record, copy_grads, through_autograd), outputs
+        return Invocation(self.generation, tick, record, copy_grads, through_autograd, None, fp8_first), outputs
 
     def backward(self, invocation: Invocation, grads: tuple) -> tuple:
         self._check_fresh(invocation)
         graph = self.graph
-        for static, g in zip(graph.static_grad_outputs, grads):
-            if static is None:
+        for slot, g in zip(self.grad_output_slots, grads):
+            if slot is None:
                 continue
             if g is None:
-                static.zero_()
-            elif g.data_ptr() != static.data_ptr() or g.stride() != static.stride():
-                _copy_into(static, g)
+                slot.tensor.zero_()
+            else:
+                _copy_in(slot, g)
         through_autograd = invocation.through_autograd
         if through_autograd:
             graph.param_grads.prepare_autograd()
@@ -242,6 +248,7 @@ class GraphRunner(Runner):
         graph.bwd_graph.replay()
         if moved:
             graph.sync_backward.after_replay(moved)
+        graph.fp8.after_backward(invocation.fp8_first)
         input_grads = tuple(
             None if g is None else (g.clone() if copy else g.detach())
             for g, copy in zip(graph.static_grad_inputs, invocation.copy_grads)
@@ -257,26 +264,34 @@ class GraphRunner(Runner):
                 captured.reset()
         self.graph = None
         self.static_inputs = self.static_outputs = ()
+        self.input_slots = self.grad_output_slots = ()
         self.output = None
 
 
 class EagerRunner(Runner):
     """Same wrapper, no graphs: runs the callable on the static buffers at every call."""
 
-    def __init__(self, spec: GraphSpec, warmup: WarmupRecord, clock: Any = NO_CLOCK, variant: int = 0):
+    def __init__(self, spec: GraphSpec, warmup: WarmupRecord, fp8: Any, clock: Any = NO_CLOCK, variant: int = 0):
         super().__init__(spec, clock, variant, warmup.updated)
         self.spec = spec
+        self.fp8 = fp8  # the checks an FP8 graph's calls get (te_support.fp8_replay)
+        self.takes_first_microbatch = accepts_is_first_microbatch(spec.call)
         self.static_inputs = spec.static_inputs
+        self.input_slots = tuple(map(_Slot, spec.static_inputs))
         self.output = warmup.output
 
     def through_autograd(self) -> bool:
         return False  # the real module runs: its parameters' hooks see autograd as usual
 
-    def forward(self, inputs: tuple[torch.Tensor, ...], through_autograd: bool, with_backward: bool = True) -> tuple[Invocation, tuple]:
+    def forward(self, inputs: tuple[torch.Tensor, ...], through_autograd: bool, with_backward: bool = True,
+                is_first_microbatch: Any = None) -> tuple[Invocation, tuple]:
         spec = self.spec
+        self.fp8.before_forward(self.name, is_first_microbatch)
         self._copy_inputs(inputs)
         tick = self.clock.forward(self.variant, self.shape)
         args, kwargs = spec.layout.unflatten(self.static_inputs)
+        if is_first_microbatch is not None and self.takes_first_microbatch:
+            kwargs["is_first_microbatch"] = is_first_microbatch  # TE's weight cache, eagerly
         with torch.enable_grad() if spec.needs_backward and with_backward else torch.no_grad():
             outputs = self.output.tensors_of(spec.call(*args, **kwargs))
         if self.updated:
@@ -299,20 +314,36 @@ class EagerRunner(Runner):
 
     def reset(self) -> None:
         self.spec = None
-        self.static_inputs = ()
+        self.static_inputs = self.input_slots = ()
         self.output = None
 
 
-def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)``, also where the two share memory in another layout (a transposed
-    view of a static buffer, an overlapping slice of one buffer), which torch refuses to
-    copy directly: that one goes through a temporary."""
-    try:
-        dst.copy_(src)  # the common case pays nothing for the check below
-    except RuntimeError:
-        if dst.untyped_storage().data_ptr() != src.untyped_storage().data_ptr():
-            raise
-        dst.copy_(src.clone())
+class _Slot:
+    """A static buffer and what the per-call copy rule reads of it, read once: its address,
+    strides and the address range of its storage."""
+
+    __slots__ = ("tensor", "ptr", "stride", "lo", "hi")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+        self.ptr = tensor.data_ptr()
+        self.stride = tensor.stride()
+        storage = tensor.untyped_storage()
+        self.lo = storage.data_ptr()
+        self.hi = self.lo + storage.nbytes()
+
+
+def _copy_in(slot: _Slot, t: torch.Tensor) -> None:
+    """Copy ``t`` into the static buffer unless it lies there already: the same address and
+    the same strides (shape and dtype are checked by the layout; the strides are read only
+    where the addresses match, so the common call pays nothing for them). A ``t`` starting
+    inside the buffer's storage may overlap the buffer (a transposed view of it, an
+    overlapping slice of one buffer): that copy goes through a temporary, since a copy
+    between overlapping tensors races on the GPU and torch refuses only the cases it can
+    prove."""
+    p = t.data_ptr()
+    if p != slot.ptr or t.stride() != slot.stride:
+        slot.tensor.copy_(t.clone() if slot.lo <= p < slot.hi else t)
 
 
 def shapes_text(shape: Any) -> str:
@@ -323,9 +354,9 @@ class _Replay(torch.autograd.Function):
     """The autograd node of one call of a graphed callable."""
 
     @staticmethod
-    def forward(ctx, runner: Runner, through_autograd: bool, *inputs: torch.Tensor) -> tuple:
+    def forward(ctx, runner: Runner, through_autograd: bool, is_first_microbatch: Any, *inputs: torch.Tensor) -> tuple:
         tensors = inputs[: len(runner.static_inputs)]
-        invocation, outputs = runner.forward(tensors, through_autograd)
+        invocation, outputs = runner.forward(tensors, through_autograd, True, is_first_microbatch)
         ctx.runner = runner
         ctx.invocation = invocation
         ctx.set_materialize_grads(False)
@@ -337,7 +368,7 @@ class _Replay(torch.autograd.Function):
     def backward(ctx, *grads: torch.Tensor) -> tuple:
         if torch.is_grad_enabled():
             raise RuntimeError(_DOUBLE_BACKWARD.format(name=ctx.runner.name))
-        return (None, None) + ctx.runner.backward(ctx.invocation, grads)
+        return (None, None, None) + ctx.runner.backward(ctx.invocation, grads)
 
 
 _ReplayBackward = compat.backward_node_class(_Replay)  # the autograd node class of every graphed call
@@ -355,15 +386,16 @@ def _forward_only_error(runner: Runner) -> ValueError:
     )
 
 
-def run(runner: Runner, tensors: list) -> tuple:
-    """Replay ``runner`` for one call: an autograd node when a backward may follow."""
+def run(runner: Runner, tensors: list, is_first_microbatch: Any = None) -> tuple:
+    """Replay ``runner`` for one call: an autograd node when a backward may follow.
+    ``is_first_microbatch`` is Transformer Engine's per-call keyword (``te_support``)."""
     if not runner.differentiable:
         if torch.is_grad_enabled() and (runner.params or any(t.requires_grad for t in tensors)):
             raise _forward_only_error(runner)
-        return runner.forward(tuple(tensors), False, with_backward=False)[1]
+        return runner.forward(tuple(tensors), False, False, is_first_microbatch)[1]
     if not torch.is_grad_enabled():
-        return runner.forward(tuple(tensors), False, with_backward=False)[1]
+        return runner.forward(tuple(tensors), False, False, is_first_microbatch)[1]
     through_autograd = runner.through_autograd()
     extra = runner.params if through_autograd else runner.anchor
     apply = _Replay.apply if _functorch_active() else _apply_directly
-    return apply(runner, through_autograd, *tensors, *extra)
+    return apply(runner, through_autograd, is_first_microbatch, *tensors, *extra)

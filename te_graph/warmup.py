@@ -21,6 +21,7 @@ import torch.utils._pytree as pytree
 import rng
 from checkpointing.capture_hook import capture_hook_set
 
+from .te_support import FP8Capture, visited_te_modules
 from .grads import grads_redirected
 from .layout import OutputLayout
 from .module_state import InputUpdates, ModuleBuffers
@@ -29,7 +30,7 @@ from .recompute_rng import BackwardDraws, ForwardDraws, StreamUse
 from .records import GraphSpec, WarmupRecord
 from .schedule import FORWARD, Step
 
-__all__ = ["warm_up", "grad_mode", "differentiable"]
+__all__ = ["warm_up", "grad_mode", "fp8_context", "differentiable"]
 
 
 def warm_up(
@@ -42,6 +43,7 @@ def warm_up(
     stand_ins: StandIns,
     buffers: ModuleBuffers,
     updates: InputUpdates,
+    fp8: Optional[FP8Capture] = None,
 ) -> list[WarmupRecord]:
     """Run the warmup passes over ``specs`` in the forward order of ``steps``."""
     device = torch.device("cuda", torch.cuda.current_device()) if record_draws else None
@@ -49,6 +51,7 @@ def warm_up(
     outputs_seen: dict[int, OutputLayout] = {}
     unused_seen: dict[int, tuple[int, ...]] = {}
     updated_seen: dict[int, tuple[int, ...]] = {}
+    te_seen: dict[int, tuple] = {}
     draws: dict[int, tuple[Optional[StreamUse], Optional[StreamUse]]] = {}
     for iteration in range(num_iters):
         first, last = iteration == 0, iteration == num_iters - 1
@@ -56,24 +59,43 @@ def warm_up(
             spec = specs[index]
             watch = device if last and record_draws else None
             inputs = updates.watch(spec.static_inputs) if first else None
-            outputs, forward_use = _forward(spec, stand_ins, first, watch, tracker)
-            buffers.check_not_reassigned()
-            if first:
-                outputs_seen[index] = OutputLayout(spec.name, outputs).without_memory()
-                updated_seen[index] = _check_updated(spec, inputs.close())
-            backward_use = None
-            if spec.needs_backward:
-                unused, backward_use = _backward(spec, stand_ins, outputs, watch, tracker)
+            # The first pass checks what the backward would accumulate into, before it does.
+            leaves = ForeignLeaves(spec.name, spec.static_inputs + stand_ins(spec.params)) if first and spec.needs_backward else None
+            visiting = visited_te_modules(spec.func) if first and spec.has_te else contextlib.nullcontext(None)
+            with leaves if leaves is not None else contextlib.nullcontext():
+                with visiting as te_modules:
+                    outputs, forward_use = _forward(spec, watch, tracker, leaves, fp8)
+                if te_modules is not None:
+                    te_seen[index] = tuple(te_modules)
+                buffers.check_not_reassigned()
                 if first:
-                    _check_unused(spec, unused, allow_unused_input)
-                    unused_seen[index] = unused
-            del outputs
+                    outputs_seen[index] = OutputLayout(spec.name, outputs).without_memory()
+                    updated_seen[index] = _check_updated(spec, inputs.close())
+                backward_use = None
+                if spec.needs_backward:
+                    unused, backward_use = _backward(spec, stand_ins, outputs, watch, tracker)
+                    if leaves is not None:
+                        leaves.check_backward()
+                    if first:
+                        _check_unused(spec, unused, allow_unused_input)
+                        unused_seen[index] = unused
+                del outputs
             if watch is not None:
                 draws[index] = (forward_use, backward_use)
     return [
-        WarmupRecord(outputs_seen[i], unused_seen.get(i, ()), updated_seen[i], *draws.get(i, (None, None)))
+        WarmupRecord(
+            output=outputs_seen[i], unused=unused_seen.get(i, ()), updated=updated_seen[i],
+            te_modules=te_seen.get(i, ()), forward_draws=draws.get(i, (None, None))[0],
+            backward_draws=draws.get(i, (None, None))[1],
+        )
         for i in range(len(specs))
     ]
+
+
+def fp8_context(fp8: Optional[FP8Capture], spec: GraphSpec):
+    """Transformer Engine's autocast, which every forward of an FP8 capture runs in (each
+    callable's own ``enabled``)."""
+    return fp8.autocast(spec.fp8) if fp8 is not None else contextlib.nullcontext()
 
 
 def grad_mode(spec: GraphSpec):
@@ -85,20 +107,35 @@ def differentiable(outputs: Any) -> list[torch.Tensor]:
     return [o for o in pytree.tree_leaves(outputs) if isinstance(o, torch.Tensor) and o.requires_grad]
 
 
-def _forward(spec: GraphSpec, stand_ins: StandIns, first: bool, device, tracker) -> tuple[Any, Optional[StreamUse]]:
+def _forward(spec: GraphSpec, device, tracker, leaves: Optional[ForeignLeaves], fp8: Optional[FP8Capture]) -> tuple[Any, Optional[StreamUse]]:
     args, kwargs = spec.layout.unflatten(spec.static_inputs)
     draws = ForwardDraws(rng.live_stream_generators(tracker, device)) if device is not None else None
-    # In the first pass, before any backward could accumulate into a foreign leaf.
-    watcher = ForeignLeaves(spec.static_inputs + stand_ins(spec.params)) if first else None
     if spec.hooks is not None:
-        spec.hooks.forward_pre(spec.func, args, kwargs)
-    with capture_hook_set(draws), watcher if watcher is not None else contextlib.nullcontext(), grad_mode(spec):
+        spec.hooks.run("forward_pre_hooks", spec.func)
+    with capture_hook_set(_WarmupRegions(draws, leaves)), grad_mode(spec), fp8_context(fp8, spec):
         outputs = spec.call(*args, **kwargs)
     if spec.hooks is not None:
-        spec.hooks.forward(spec.func, args, kwargs, outputs)
-    if watcher is not None:
-        watcher.raise_if_any(spec.name)
+        spec.hooks.run("forward_hooks", spec.func)
+    if leaves is not None:
+        leaves.check_forward(differentiable(outputs))
     return outputs, draws.close() if draws is not None else None
+
+
+class _WarmupRegions:
+    """``checkpointing.capture_hook``'s hook during warmup: the checkpointed regions run as
+    eager checkpoints do, observed by the last pass's draw record (``ForwardDraws``) and,
+    in the first pass, their recompute checked for foreign leaves (``ForeignLeaves``)."""
+
+    def __init__(self, draws: Optional[ForwardDraws], leaves: Optional[ForeignLeaves]):
+        self.draws = draws
+        self.leaves = leaves
+
+    def forward_region(self):
+        return self.draws.forward_region() if self.draws is not None else contextlib.nullcontext()
+
+    def recomputed(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> None:
+        if self.leaves is not None:
+            self.leaves.recomputed(outputs, inputs)
 
 
 def _backward(spec: GraphSpec, stand_ins: StandIns, outputs: Any, device, tracker) -> tuple[tuple[int, ...], Optional[StreamUse]]:
@@ -106,15 +143,14 @@ def _backward(spec: GraphSpec, stand_ins: StandIns, outputs: Any, device, tracke
     grads = [torch.zeros_like(o) for o in out]
     draws = BackwardDraws(rng.live_stream_generators(tracker, device)) if device is not None else None
     if spec.hooks is not None:
-        spec.hooks.backward_pre(spec.func, tuple(grads))
+        spec.hooks.run("backward_pre_hooks", spec.func)
     with grads_redirected(spec.grad_inputs):
         if out:
             torch.autograd.backward(out, grads)
-        grad_inputs = tuple(t.grad for t in spec.grad_inputs)
         # Read before the .grads are put back.
         unused = tuple(i for i, t in enumerate(spec.static_inputs) if t.requires_grad and t.grad is None)
     if spec.hooks is not None:
-        spec.hooks.backward(spec.func, grad_inputs, tuple(grads))
+        spec.hooks.run("backward_hooks", spec.func)
     for p in stand_ins(spec.params):
         p.grad = None  # throwaway: the next pass starts clean
     return unused, draws.close() if draws is not None else None

@@ -174,3 +174,22 @@ def test_png_from_fake_results(tmp_path):
     assert path is not None
     with open(path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_peer_targets_compare_each_pair_on_speed_footprint_and_capture_peak():
+    rows = {"te-small": {
+        "te_graph bf16": row(ms=5.0, mib=1000.0, peak=1100.0),
+        "TE graphed bf16": row(ms=6.0, mib=990.0, peak=1500.0),
+        "te_graph fp8-delayed": row(error="boom"),
+    }}
+    lines = T.peer_targets(rows, [("te_graph bf16", "TE graphed bf16"), ("te_graph fp8-delayed", "TE graphed fp8-delayed")])
+    verdicts = {line.key: line.verdict for line in lines}
+    assert verdicts == {
+        "te_graph bf16_vs_TE graphed bf16_faster": T.PASS,
+        "te_graph bf16_vs_TE graphed bf16_footprint": T.FAIL,
+        "te_graph bf16_vs_TE graphed bf16_capture_peak": T.PASS,
+        "te_graph fp8-delayed_vs_TE graphed fp8-delayed_faster": T.NOT_AVAILABLE,
+        "te_graph fp8-delayed_vs_TE graphed fp8-delayed_footprint": T.NOT_AVAILABLE,
+        "te_graph fp8-delayed_vs_TE graphed fp8-delayed_capture_peak": T.NOT_AVAILABLE,
+    }
+    assert [line.detail for line in lines][0] == "5 vs 6 ms = 0.833x (limit 1x)"

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import importlib.util
 import re
 
 import pytest
@@ -113,8 +114,18 @@ def test_cuda_unavailable_points_to_eager_replay():
 def test_te_spellings_and_arguments():
     with pytest.raises(TypeError, match=r"got both order= and _order=; pass one of them"):
         make_graphed_callables((Lin(),), ((_x(),),), order=[1, -1], _order=[1, -1], eager_replay=True)
-    with pytest.raises(NotImplementedError, match=r"FP8 capture is not supported"):
-        make_graphed_callables(Lin(), (_x(),), fp8_enabled=True, eager_replay=True)
+    # TE's FP8 arguments: checked before anything changes; FP8 itself needs TE.
+    with pytest.raises(ValueError, match=re.escape("both fp8_enabled= (deprecated) and enabled= are set; pass enabled= only.")):
+        make_graphed_callables(Lin(), (_x(),), fp8_enabled=True, enabled=True, eager_replay=True)
+    with pytest.raises(ValueError, match=re.escape("enabled= has 1 entries for 2 callables; give one bool, or one per callable.")):
+        make_graphed_callables((Lin(), Lin()), ((_x(),), (_x(),)), enabled=(True,), eager_replay=True)
+    with pytest.raises(TypeError, match=re.escape("enabled= must be a bool or a tuple of bools (one per callable), got 'yes'.")):
+        make_graphed_callables(Lin(), (_x(),), enabled="yes", eager_replay=True)
+    if importlib.util.find_spec("transformer_engine") is None:
+        with pytest.raises(RuntimeError, match=re.escape("FP8 capture needs Transformer Engine (transformer_engine.pytorch), which does not import here")):
+            make_graphed_callables(Lin(), (_x(),), enabled=True, eager_replay=True)
+    with pytest.warns(DeprecationWarning, match=re.escape("fp8_enabled= is deprecated (as in Transformer Engine); use enabled=.")):
+        make_graphed_callables(Lin(), (_x(),), fp8_enabled=False, eager_replay=True)
     with pytest.raises(TypeError, match=r"unexpected keyword argument 'bogus'; see help\(te_graph.make_graphed_callables\)"):
         make_graphed_callables(Lin(), (_x(),), bogus=1, eager_replay=True)
     # A misspelt keyword gets the close name.
@@ -124,7 +135,7 @@ def test_te_spellings_and_arguments():
         make_graphed_callables(Lin(), (_x(),), reuse_graph_input_output_buffer=True, eager_replay=True)
     # TE's spelling of the order works the same as ours (one layer, two microbatches).
     m = Lin()
-    graphed = make_graphed_callables((m,), ((_x(),), (_x(),)), _order=[1, 1, -1, -1], fp8_enabled=False, eager_replay=True)
+    graphed = make_graphed_callables((m,), ((_x(),), (_x(),)), _order=[1, 1, -1, -1], enabled=False, eager_replay=True)
     assert len(graphed) == 2
 
 
@@ -400,7 +411,9 @@ def test_bad_capture_time_hooks():
     _refused(ValueError, re.escape("capture_time_hooks for callable 1 (Lin) has unknown key(s) ['forward'];"),
              lambda: make_graphed_callables((a, b), samples, capture_time_hooks=[None, {"forward": {}}], eager_replay=True), a, b)
     _refused(RuntimeError, re.escape("a capture-time forward hook of callable 0 (Lin) returned a value; capture-time hooks only observe"),
-             lambda: make_graphed_callables((a, b), samples, capture_time_hooks=[{"forward_hooks": {0: lambda m, args, out: out}}, None], eager_replay=True), a, b)
+             lambda: make_graphed_callables((a, b), samples, capture_time_hooks=[{"forward_hooks": {0: lambda m: m}}, None], eager_replay=True), a, b)
+    _refused(ValueError, re.escape("capture_time_hooks for callable 0 (Lin) has unknown key(s) ['forward_hooks_with_kwargs']; use forward_pre_hooks, forward_hooks, backward_pre_hooks, backward_hooks."),
+             lambda: make_graphed_callables((a, b), samples, capture_time_hooks=[{"forward_hooks_with_kwargs": {0}}, None], eager_replay=True), a, b)
 
 
 @pytest.mark.skipif(CUDA, reason="checks the CPU-only machine's error")
@@ -444,3 +457,82 @@ def test_a_view_of_a_parameter_inside_an_autograd_function_is_not_foreign():
     graphed(x).sum().backward()
     reference(x.detach()).sum().backward()
     assert torch.equal(m.weight.grad, reference.weight.grad)
+
+
+def test_a_weight_closed_over_inside_a_reentrant_checkpoint_is_refused_before_it_gets_a_grad():
+    """The region runs under no_grad in the forward, so its autograd graph hides the weight;
+    the recompute reports it before its backward runs."""
+    from checkpointing import checkpoint
+
+    w = torch.randn(4, 4, requires_grad=True)
+
+    def f(x):
+        return checkpoint(lambda t: t @ w, x)
+
+    _refused(ValueError, re.escape("callable 0 (f) uses 1 tensor(s) that require grad but are neither its inputs nor parameters of a graphed module (shape (4, 4), dtype torch.float32, device cpu)"),
+             lambda: make_graphed_callables(f, X1, eager_replay=True))
+    assert w.grad is None
+
+
+def test_a_weight_inside_another_librarys_reentrant_checkpoint_is_refused_and_grads_are_put_back():
+    """torch.utils.checkpoint's reentrant region hides the weight and reports nothing: every
+    other leaf's .grad is set aside for the first warmup backward and put back."""
+    import torch.utils.checkpoint as torch_checkpoint
+
+    w = torch.randn(4, 4, requires_grad=True)
+    bystander = torch.randn(2, requires_grad=True)
+    bystander.grad = torch.ones(2)
+    kept = bystander.grad
+
+    def f(x):
+        return torch_checkpoint.checkpoint(lambda t: t @ w, x, use_reentrant=True)
+
+    _refused(ValueError, re.escape("callable 0 (f) uses 1 tensor(s) that require grad but are neither its inputs nor parameters of a graphed module (shape (4, 4), dtype torch.float32, device cpu)"),
+             lambda: make_graphed_callables(f, X1, eager_replay=True))
+    assert w.grad is None and bystander.grad is kept
+
+
+def test_leaves_used_only_under_no_grad_or_traced_by_compile_are_not_foreign():
+    """The check walks what autograd would accumulate into: a tensor requiring grad that a
+    forward only reads under no_grad trains nothing, and is no reason to refuse."""
+    scale = torch.randn(4, requires_grad=True)
+    m = Lin()
+
+    class ReadsUnderNoGrad(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = m.lin
+
+        def forward(self, x):
+            with torch.no_grad():
+                s = scale.abs().max()
+            return self.lin(x) * s
+
+    graphed = make_graphed_callables(ReadsUnderNoGrad(), X1, eager_replay=True)
+    graphed(_x()).sum().backward()
+    assert scale.grad is None
+
+
+class _Wrapped(torch.Tensor):
+    """A tensor subclass with its own dispatch, as FP8 primary weights are."""
+
+    @staticmethod
+    def __new__(cls, inner):
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device=inner.device)
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        from torch.utils._pytree import tree_map
+
+        out = func(*tree_map(lambda t: t.inner if isinstance(t, _Wrapped) else t, args), **(kwargs or {}))
+        return tree_map(lambda t: _Wrapped(t) if isinstance(t, torch.Tensor) else t, out)
+
+
+def test_a_parameter_that_is_a_dispatching_tensor_subclass_is_refused():
+    m = Lin()
+    m.lin.weight = nn.Parameter(_Wrapped(torch.randn(4, 4)))
+    _refused(ValueError, re.escape("parameter 'lin.weight' of callable 0 is a _Wrapped, a tensor subclass with its own dispatch (FP8 primary weights from Transformer Engine's quantized_model_init, a DTensor, ...); te_graph graphs plain parameters."),
+             lambda: make_graphed_callables(m, X1, eager_replay=True), m)

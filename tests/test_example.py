@@ -388,3 +388,21 @@ def test_two_gpu_graphed_training_equals_eager_bitwise(tmp_path, parallelism):
 
 def test_script_puts_the_repo_root_on_sys_path():
     assert train_gpt.REPO_ROOT.joinpath("te_graph", "__init__.py").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path of the README's Quick start (the GPU one is the example's)")
+def test_the_readme_quick_start_runs_as_the_readme_says(tmp_path):
+    """Saved outside the repository and run with the root on PYTHONPATH, as the README
+    says, the Quick start trains its 10 steps (on a CPU in eager replay, in seconds)."""
+    import os
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    readme = open(os.path.join(root, "README.md"), encoding="utf-8").read()
+    code = readme[readme.index("## Quick start"):].split("```python\n", 1)[1].split("```", 1)[0]
+    script = tmp_path / "quickstart.py"
+    script.write_text(code)
+    env = {**os.environ, "PYTHONPATH": root}
+    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().endswith("trained 10 steps on cpu")

@@ -1,0 +1,231 @@
+"""Transformer Engine's own layers: te_graph against TE's ``make_graphed_callables`` and
+eager TE, bf16 and FP8, with and without recompute.
+
+Run from the repository root on a GPU with Transformer Engine (on the GPU machine:
+``source .te/setup.sh`` first)::
+
+    python benchmarks/bench_te.py --out /tmp/bench_te.json --png /tmp/bench_te.png
+    python benchmarks/bench_te.py --configs te-small --precisions bf16 --iters 50
+
+For each config it builds a stack of ``te.TransformerLayer`` (bf16 parameters, causal
+attention, dropout 0.1 under TE's RNG tracker, ``[s, b, h]`` activations) and measures, one
+row after the other in the same process (``_measure.py`` says exactly how: median ms over
+``--iters`` back-to-back steps, steady footprint = ``max_memory_reserved()``, capture peak,
+capture seconds), for each precision (``bf16``; ``fp8-delayed`` = DelayedScaling;
+``fp8-current`` = Float8CurrentScaling), the step running inside
+``te.autocast(enabled, recipe)``:
+
+* ``eager``            the layers run eagerly;
+* ``TE graphed``       ``te.make_graphed_callables(tuple(layers), sample_args, enabled=..., recipe=...)``;
+* ``te_graph``         ``te_graph.make_graphed_callables`` with the same arguments;
+
+and the same three with each layer recomputed (``+rc``): TE's own
+``te.distributed.checkpoint`` for eager and TE's graphs, ``checkpointing.checkpoint`` (exact
+dropout in the recompute) for te_graph, both driven by TE's tracker.
+
+The target lines (issue 19: te_graph faster than TE's graphs on every row, steady footprint
+and capture peak no larger) inform and assert nothing. A row that fails prints its error and
+the run goes on.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Callable, Sequence
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for _path in (_ROOT, os.path.join(_ROOT, "benchmarks")):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+
+import torch  # noqa: E402
+from _measure import (  # noqa: E402
+    Built,
+    Variant,
+    add_measure_args,
+    csv_choice,
+    environment,
+    run_forward,
+    run_rows,
+    settings_from,
+    synchronised,
+)
+from _report import JsonReport, add_output_args, table_lines, write_png  # noqa: E402
+from _targets import EAGER, TE_GRAPH, TE_GRAPHED, format_lines, peer_targets  # noqa: E402
+from torch import nn  # noqa: E402
+
+import checkpointing  # noqa: E402
+import te_graph  # noqa: E402
+
+CONFIGS = {
+    # name: (layers, hidden, ffn, heads, seq, batch)
+    "te-small": (6, 1024, 4096, 16, 512, 2),  # issue 19's table
+    "te-tiny": (24, 256, 1024, 4, 128, 2),  # launch-bound
+}
+PRECISIONS = ("bf16", "fp8-delayed", "fp8-current")
+DROPOUT = 0.1
+SEED = 1234
+NUM_INPUTS = 4
+
+
+def te():
+    import transformer_engine.pytorch as te_pytorch
+
+    return te_pytorch
+
+
+def recipe_for(precision: str):
+    from transformer_engine.common import recipe
+
+    return {"bf16": None, "fp8-delayed": recipe.DelayedScaling(), "fp8-current": recipe.Float8CurrentScaling()}[precision]
+
+
+_TRACKER = None
+
+
+def tracker():
+    return _TRACKER
+
+
+def reseed() -> None:
+    global _TRACKER
+    if _TRACKER is None:
+        _TRACKER = te().distributed.CudaRNGStatesTracker()
+    _TRACKER.reset()
+    _TRACKER.add("model-parallel-rng", SEED + 2718)
+    torch.manual_seed(SEED)
+    torch.cuda.manual_seed(SEED)
+
+
+class Recomputed(nn.Module):
+    """A layer whose activations are recomputed in the backward: TE's checkpoint or ours."""
+
+    def __init__(self, layer: nn.Module, ours: bool):
+        super().__init__()
+        self.layer = layer
+        self.ours = ours
+
+    def forward(self, x):
+        if self.ours:
+            return checkpointing.checkpoint(self.layer, x, get_rng_state_tracker=tracker)
+        return te().distributed.checkpoint(self.layer, x, get_rng_state_tracker=tracker)
+
+
+def build_layers(cfg: tuple, recompute: bool, ours: bool) -> list[nn.Module]:
+    layers, hidden, ffn, heads, _, _ = cfg
+    reseed()
+    made = [
+        te().TransformerLayer(hidden, ffn, heads, hidden_dropout=DROPOUT, attention_dropout=DROPOUT,
+                              params_dtype=torch.bfloat16, self_attn_mask_type="causal",
+                              get_rng_state_tracker=tracker)
+        for _ in range(layers)
+    ]
+    return [Recomputed(m, ours) for m in made] if recompute else made
+
+
+def sample_args_for(cfg: tuple) -> tuple:
+    layers, hidden, _, _, seq, batch = cfg
+    return tuple((torch.randn(seq, batch, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True),)
+                 for _ in range(layers))
+
+
+def make_step(layers: Sequence[Callable], params: Sequence[torch.Tensor], precision: str) -> Callable:
+    """One train step inside ``te.autocast``: grads zeroed in place, forward, loss, backward."""
+    recipe = recipe_for(precision)
+    params = tuple(params)
+
+    def step(x: torch.Tensor) -> None:
+        grads = [p.grad for p in params if p.grad is not None]
+        if grads:
+            torch._foreach_zero_(grads)
+        with te().autocast(enabled=recipe is not None, recipe=recipe):
+            out = run_forward(layers, x, {})
+        out.float().square().mean().backward()
+
+    return step
+
+
+def build(cfg: tuple, precision: str, kind: str, recompute: bool) -> Built:
+    layers = build_layers(cfg, recompute, ours=kind == TE_GRAPH)
+    params = [p for m in layers for p in m.parameters()]
+    if kind == EAGER:
+        return Built(make_step(layers, params, precision), keep=layers)
+    recipe = recipe_for(precision)
+    graph = te().make_graphed_callables if kind == TE_GRAPHED else te_graph.make_graphed_callables
+    extra = {} if kind == TE_GRAPHED else {"get_rng_state_tracker": tracker}
+    graphed, seconds = synchronised(lambda: graph(tuple(layers), sample_args_for(cfg), enabled=recipe is not None,
+                                                  recipe=recipe, **extra))
+    release = (lambda: te_graph.reset(graphed)) if kind == TE_GRAPH else (lambda: [g.reset() for g in graphed])
+    return Built(make_step(graphed, params, precision), keep=(layers, graphed), capture_s=seconds, release=release)
+
+
+def row_name(kind: str, precision: str, recompute: bool) -> str:
+    return f"{kind} {precision}{'+rc' if recompute else ''}"
+
+
+def variants_for(cfg: tuple, precisions: Sequence[str]) -> dict[str, Variant]:
+    return {
+        row_name(kind, precision, recompute): Variant(
+            lambda kind=kind, precision=precision, recompute=recompute: build(cfg, precision, kind, recompute))
+        for precision in precisions for recompute in (False, True) for kind in (EAGER, TE_GRAPHED, TE_GRAPH)
+    }
+
+
+def make_inputs(cfg: tuple, kind: str) -> list[torch.Tensor]:
+    _, hidden, _, _, seq, batch = cfg
+    gen = torch.Generator(device="cuda").manual_seed(SEED + 1)
+    return [torch.randn(seq, batch, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
+            for _ in range(NUM_INPUTS)]
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="te.TransformerLayer stacks: eager TE, TE's graphs and "
+                                                 "te_graph, bf16 and FP8, with and without recompute.")
+    parser.add_argument("--configs", default=",".join(CONFIGS), type=csv_choice(tuple(CONFIGS), "config"))
+    parser.add_argument("--precisions", default=",".join(PRECISIONS), type=csv_choice(PRECISIONS, "precision"))
+    add_measure_args(parser, 100, 10)
+    add_output_args(parser)
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    settings = settings_from(args)
+    if not torch.cuda.is_available():
+        sys.exit("bench_te.py: CUDA is not available; this benchmark needs a CUDA GPU.")
+    try:
+        import transformer_engine as te_root
+    except ImportError:
+        sys.exit("bench_te.py: Transformer Engine is not importable (on the GPU machine: source .te/setup.sh).")
+    env = {**environment(), "transformer_engine": te_root.__version__}
+    print(f"torch {env['torch']}, CUDA {env['cuda']}, TE {env['transformer_engine']}, {env['device']}; "
+          f"iters {args.iters}, warmup {args.warmup}", flush=True)
+    report = JsonReport(args.out, {**env, "benchmark": "bench_te", "iters": args.iters, "warmup": args.warmup,
+                                   "dropout": DROPOUT})
+    order = list(variants_for(CONFIGS[args.configs[0]], args.precisions))
+    for config in args.configs:
+        layers, hidden, ffn, heads, seq, batch = CONFIGS[config]
+        report.add_config(config, {"layers": layers, "hidden": hidden, "ffn": ffn, "heads": heads,
+                                   "seq": seq, "batch": batch})
+        print(f"\n== {config}: {layers} x te.TransformerLayer, h {hidden}, ffn {ffn}, heads {heads}, "
+              f"s {seq}, b {batch}, dropout {DROPOUT} ==", flush=True)
+        cfg = CONFIGS[config]
+        variants = variants_for(cfg, args.precisions)
+        run_rows(config, variants, list(variants), lambda kind, cfg=cfg: make_inputs(cfg, kind), settings,
+                 lambda name, row, config=config: report.add_row(config, name, row))
+    results = report.results(order)
+    for config, rows in results.items():
+        print(f"\n{config}:")
+        print("\n".join(table_lines(rows)), flush=True)
+    pairs = [(row_name(TE_GRAPH, p, rc), row_name(TE_GRAPHED, p, rc)) for p in args.precisions for rc in (False, True)]
+    lines = peer_targets(results, pairs)
+    report.set_targets(lines)
+    print("\nIssue 19 targets (informational; they assert nothing):")
+    print("\n".join(format_lines(lines)), flush=True)
+    if args.png and write_png(args.png, results, f"bench_te on {env['device']} (TE {env['transformer_engine']})"):
+        print(f"table plotted to {args.png}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,383 @@
+"""Transformer Engine's layers and FP8 under te_graph's graphs, with TE's meaning (TE 2.20
+``graph.py``).
+
+* **Arguments**: TE's ``enabled`` (one bool, or one per callable), ``calibrating``,
+  ``recipe``, ``amax_reduction_group``, ``cache_quantized_params``, and the deprecated
+  ``fp8_*`` spellings (Megatron still passes those).
+* **Capture**: TE's capture flag is set (its modules then leave the backward amax reduction
+  out of the graphs), the FP8 meta of every module (amax history, scales) is saved before
+  warmup and put back after capture, and each callable runs inside
+  ``te.autocast(enabled, calibrating, recipe, amax_reduction_group, _graph=True)``, which
+  keeps the modules out of TE's global amax buffers while graphs are made. The TE modules a
+  forward runs are recorded in the first warmup pass.
+* **Each call** (outside the graphs, so inside the user's ``te.autocast``): the recorded
+  modules' FP8 meta joins TE's global amax buffer, the first FP8 call of the autocast sets
+  the weight-cache flag from ``is_first_microbatch`` (a device flag the captured weight
+  casts read), its backward runs the backward amax reduction after its replay, and the
+  forward reduction runs at the user's autocast exit, as in eager TE.
+
+Besides FP8: the TE modules a forward runs are found in the first warmup pass, and the
+operation fusers of ``te.ops.Sequential`` built during warmup (which keep the parameters
+they saw, the stand-ins) are dropped after capture, so that an eager call later rebuilds
+them around the real parameters.
+
+te_graph never imports TE at module import: only when FP8 is asked for, or when a
+graphed module holds TE modules (already imported by the user, then).
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import sys
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
+
+import torch
+
+__all__ = [
+    "FP8_ARGUMENTS", "FP8Options", "fp8_options", "te_modules_in", "FP8Capture", "fp8_replay",
+    "NO_FP8", "accepts_is_first_microbatch", "forget_stand_in_caches", "visited_te_modules", "FP8Checks", "FP8Replay",
+]
+
+_DEPRECATED = {
+    "fp8_enabled": "enabled",
+    "fp8_calibrating": "calibrating",
+    "fp8_recipe": "recipe",
+    "fp8_group": "amax_reduction_group",
+    "fp8_weight_caching": "cache_quantized_params",
+}
+FP8_ARGUMENTS = tuple(_DEPRECATED.values()) + tuple(_DEPRECATED)
+
+
+def _te() -> Any:
+    """``transformer_engine.pytorch``, imported on first need, with a clear error."""
+    try:
+        import transformer_engine.pytorch as te  # noqa: PLC0415 - lazy on purpose
+    except ImportError as error:
+        raise RuntimeError(
+            "make_graphed_callables: FP8 capture needs Transformer Engine "
+            f"(transformer_engine.pytorch), which does not import here ({error}). Install "
+            "Transformer Engine 2.20, or leave the FP8 arguments off."
+        ) from error
+    return te
+
+
+def _te_loaded() -> Optional[Any]:
+    """``transformer_engine.pytorch`` if the process has imported it, else None (never
+    imports it: a model without TE modules must not pay for or depend on TE)."""
+    return sys.modules.get("transformer_engine.pytorch")
+
+
+@dataclass(frozen=True)
+class FP8Options:
+    """TE's FP8 arguments of one call, normalised (``enabled`` per callable)."""
+
+    enabled: tuple[bool, ...]
+    calibrating: bool = False
+    recipe: Any = None
+    amax_reduction_group: Any = None
+    cache_quantized_params: bool = False
+
+    @property
+    def on(self) -> bool:
+        return any(self.enabled)
+
+
+def fp8_options(arguments: Mapping[str, Any], callables: Sequence[Callable]) -> FP8Options:
+    """Normalise TE's FP8 arguments (checked before anything changes; TE imported only if
+    FP8 is on)."""
+    given = dict(arguments)
+    for old, new in _DEPRECATED.items():
+        if old not in given:
+            continue
+        value = given.pop(old)
+        if value is None:
+            continue
+        if given.get(new) is not None:
+            raise ValueError(
+                f"make_graphed_callables: both {old}= (deprecated) and {new}= are set; pass "
+                f"{new}= only."
+            )
+        warnings.warn(
+            f"make_graphed_callables: {old}= is deprecated (as in Transformer Engine); use {new}=.",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        given[new] = value
+    enabled = given.get("enabled")
+    if enabled is None:
+        enabled = False
+    if isinstance(enabled, bool):
+        enabled = (enabled,) * len(callables)
+    elif isinstance(enabled, (tuple, list)) and all(isinstance(e, bool) for e in enabled):
+        if len(enabled) != len(callables):
+            raise ValueError(
+                f"make_graphed_callables: enabled= has {len(enabled)} entries for "
+                f"{len(callables)} callables; give one bool, or one per callable."
+            )
+        enabled = tuple(enabled)
+    else:
+        raise TypeError(
+            f"make_graphed_callables: enabled= must be a bool or a tuple of bools (one per "
+            f"callable), got {enabled!r}."
+        )
+    options = FP8Options(
+        enabled=enabled,
+        calibrating=bool(given.get("calibrating") or False),
+        recipe=given.get("recipe"),
+        amax_reduction_group=given.get("amax_reduction_group"),
+        cache_quantized_params=bool(given.get("cache_quantized_params") or False),
+    )
+    if not options.on:
+        return FP8Options(enabled=enabled)  # TE forces the recipe off too
+    _te()
+    for index, (c, on) in enumerate(zip(callables, enabled)):
+        if on and not isinstance(c, torch.nn.Module):
+            raise TypeError(
+                f"make_graphed_callables: callable {index} is a {type(c).__name__} with FP8 "
+                "enabled; FP8 capture needs modules (Transformer Engine's FP8 state lives in "
+                "the modules, and each call registers it). Wrap it in an nn.Module."
+            )
+    recipe = options.recipe
+    if recipe is None:
+        from transformer_engine.pytorch.quantization import get_default_fp8_recipe  # noqa: PLC0415
+
+        recipe = get_default_fp8_recipe()  # TE's default for this GPU
+    from transformer_engine.pytorch.quantization import check_recipe_support  # noqa: PLC0415
+
+    check_recipe_support(recipe)  # a recipe this GPU cannot run: TE's error, before any change
+    return FP8Options(enabled, options.calibrating, recipe, options.amax_reduction_group, options.cache_quantized_params)
+
+
+def te_modules_in(module: Any) -> bool:
+    """Whether ``module`` holds Transformer Engine modules (False without TE imported)."""
+    te = _te_loaded()
+    if te is None or not isinstance(module, torch.nn.Module):
+        return False
+    kinds = _te_kinds(te)
+    return any(isinstance(m, kinds) for m in module.modules())
+
+
+def _te_kinds(te: Any) -> tuple:
+    from transformer_engine.pytorch.module.base import TransformerEngineBaseModule  # noqa: PLC0415
+    from transformer_engine.pytorch.ops.op import BasicOperation  # noqa: PLC0415
+
+    return (TransformerEngineBaseModule, BasicOperation, te.ops.Sequential)
+
+
+def forget_stand_in_caches(modules: Sequence[Any]) -> None:
+    """Drop the operation fusers ``te.ops.Sequential`` built while the modules held
+    parameter stand-ins (a fuser keeps the parameters it was built with; an eager call
+    rebuilds it, around the real parameters)."""
+    te = _te_loaded()
+    if te is None:
+        return
+    for module in modules:
+        for m in module.modules() if isinstance(module, torch.nn.Module) else ():
+            if isinstance(m, te.ops.Sequential):
+                m._module_groups = None
+
+
+def accepts_is_first_microbatch(call: Callable) -> bool:
+    """Whether a forward takes TE's ``is_first_microbatch`` keyword (TE modules do)."""
+    try:
+        return "is_first_microbatch" in inspect.signature(call).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+# -- capture ------------------------------------------------------------------------------------
+class FP8Capture:
+    """TE's FP8 state across warmup and capture: the capture flag, the saved FP8 meta, the
+    autocast each callable runs in, and the TE modules each forward runs."""
+
+    def __init__(self, options: FP8Options, modules: Sequence[torch.nn.Module]):
+        self.options = options
+        self.modules = list(modules)
+        self._saved: Any = None
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """Around warmup and capture; everything is put back on exit, also on failure."""
+        from transformer_engine.pytorch import graph as te_graph  # noqa: PLC0415
+        from transformer_engine.pytorch.quantization import FP8GlobalStateManager  # noqa: PLC0415
+
+        te_graph.set_capture_start()
+        try:
+            self._saved = te_graph.save_fp8_tensors(self.modules, self.options.recipe)
+            if self.options.cache_quantized_params:
+                FP8GlobalStateManager.set_skip_fp8_weight_update_tensor(False)
+            yield
+        finally:
+            te_graph.restore_fp8_tensors(self.modules, self._saved)
+            te_graph.set_capture_end()
+
+    def autocast(self, enabled: bool) -> Any:
+        """The context one callable's forward runs in while graphs are made."""
+        te = _te()
+        return te.autocast(
+            enabled=enabled, calibrating=self.options.calibrating, recipe=self.options.recipe,
+            amax_reduction_group=self.options.amax_reduction_group, _graph=True,
+        )
+
+
+@contextlib.contextmanager
+def visited_te_modules(func: Any) -> Iterator[list]:
+    """Inside: collects the TE modules a forward of ``func`` runs (``func`` itself when it
+    is one: te_graph calls its forward directly), as TE records them."""
+    te = _te_loaded()
+    found: list = []
+    if te is None:
+        yield found
+        return
+    from transformer_engine.pytorch.module.base import TransformerEngineBaseModule  # noqa: PLC0415
+    from transformer_engine.pytorch.ops.op import BasicOperation  # noqa: PLC0415
+
+    def record(module: torch.nn.Module, *_: Any) -> None:
+        if isinstance(module, (TransformerEngineBaseModule, BasicOperation)):
+            found.append(module)
+        elif isinstance(module, te.ops.Sequential):
+            for group in module._module_groups or ():
+                found.extend(getattr(group, "_basic_ops", ()))
+
+    handle = torch.nn.modules.module.register_module_forward_hook(record)
+    try:
+        yield found
+    finally:
+        handle.remove()
+        if isinstance(func, torch.nn.Module):
+            record(func)
+        unique = list({id(m): m for m in found}.values())
+        found[:] = unique
+
+
+# -- replay -------------------------------------------------------------------------------------
+class _NoFP8:
+    """A graph without TE modules: nothing to do around its replays."""
+
+    @staticmethod
+    def before_forward(name: str, is_first_microbatch: Any) -> bool:
+        return False
+
+    @staticmethod
+    def after_backward(first: bool) -> None:
+        pass
+
+
+NO_FP8 = _NoFP8()
+
+
+class _NotFP8:
+    """A graph of TE modules captured without FP8: refuses a call inside an FP8 autocast,
+    where eager TE would run FP8 kernels and the graph would not."""
+
+    @staticmethod
+    def before_forward(name: str, is_first_microbatch: Any) -> bool:
+        from transformer_engine.pytorch.quantization import FP8GlobalStateManager  # noqa: PLC0415
+
+        if FP8GlobalStateManager.is_fp8_enabled():
+            raise RuntimeError(
+                f"{name}: called inside an FP8 te.autocast, but it was graphed without FP8 "
+                "(its graphs run the kernels they captured, not FP8 ones). Graph it with "
+                "enabled=True and the recipe, or call it outside the FP8 autocast."
+            )
+        return False
+
+    @staticmethod
+    def after_backward(first: bool) -> None:
+        pass
+
+
+class FP8Checks:
+    """A call of an FP8 graph (or of its eager-replay mirror) is refused where eager TE and
+    the graph would part: outside ``te.autocast``, under another recipe, or without
+    ``is_first_microbatch`` when the weight cache is on."""
+
+    def __init__(self, options: FP8Options):
+        from transformer_engine.pytorch.quantization import FP8GlobalStateManager  # noqa: PLC0415
+
+        self.state = FP8GlobalStateManager
+        self.recipe = options.recipe
+        self.caching = options.cache_quantized_params
+
+    def before_forward(self, name: str, is_first_microbatch: Any) -> bool:
+        self._check(name, is_first_microbatch)
+        return False
+
+    def _check(self, name: str, is_first_microbatch: Any) -> Any:
+        state = self.state
+        if not state.is_fp8_enabled():
+            raise RuntimeError(
+                f"{name}: graphed with FP8 but called outside te.autocast(enabled=True, "
+                "recipe=...); its graphs run FP8 kernels whose scales the autocast keeps up "
+                "to date. Call it inside the autocast, as the eager layer would be."
+            )
+        recipe = state.get_fp8_recipe()
+        if recipe is not self.recipe and recipe != self.recipe:
+            raise RuntimeError(
+                f"{name}: called under te.autocast with recipe {recipe!r}, but its graphs were "
+                f"captured with {self.recipe!r}; a graph replays the captured recipe's kernels. "
+                "Graph it again with this recipe, or call it under the captured one."
+            )
+        if self.caching and not isinstance(is_first_microbatch, bool):
+            raise ValueError(
+                f"{name}: graphed with cache_quantized_params=True, so each call needs the "
+                "is_first_microbatch=True/False keyword (it decides whether the weights are "
+                "quantized again, as in eager Transformer Engine)."
+            )
+        return recipe
+
+    @staticmethod
+    def after_backward(first: bool) -> None:
+        pass
+
+
+class FP8Replay(FP8Checks):
+    """Around each replay of an FP8 graph: TE's bookkeeping outside the graphs."""
+
+    def __init__(self, modules: Sequence[Any], options: FP8Options):
+        super().__init__(options)
+        from transformer_engine.pytorch.attention.dot_product_attention import DotProductAttention  # noqa: PLC0415
+        from transformer_engine.pytorch.ops.op import BasicOperation  # noqa: PLC0415
+
+        self.metas: list[dict] = []  # FP8 meta dicts to register at each call
+        self.attention_metas: list[dict] = []  # DotProductAttention's: only with fp8_mha/fp8_dpa
+        for m in modules:
+            if isinstance(m, BasicOperation):
+                self.metas.extend(m._fp8_metas[mode] for mode in ("forward", "backward") if m.num_quantizers(mode))
+            elif isinstance(m, DotProductAttention):
+                self.attention_metas.append(m.fp8_meta)
+            else:
+                self.metas.append(m.fp8_meta)
+
+    def before_forward(self, name: str, is_first_microbatch: Any) -> bool:
+        """Checks and registration before a forward replay; whether this call is the first
+        FP8 call of its autocast (its backward then runs the backward reduction)."""
+        recipe = self._check(name, is_first_microbatch)
+        state = self.state
+        group = state.get_fp8_group()
+        fp8_attention = getattr(recipe, "fp8_mha", False) or getattr(recipe, "fp8_dpa", False)
+        for meta in self.metas + self.attention_metas if fp8_attention else self.metas:
+            meta["fp8_group"] = group
+            meta["recipe"] = recipe
+            state.add_fp8_tensors_to_global_buffer(meta)
+        first = state.is_first_fp8_module()
+        if first and self.caching:
+            state.set_skip_fp8_weight_update_tensor(not is_first_microbatch)
+        return first
+
+    def after_backward(self, first: bool) -> None:
+        """After the backward replay of an autocast's first FP8 call: the backward amax
+        reduction (eager TE runs it at the end of the first FP8 module's backward)."""
+        if first:
+            self.state.reduce_and_update_fp8_tensors(forward=False)
+
+
+def fp8_replay(enabled: bool, options: FP8Options, modules: Sequence[Any], has_te: bool, graphs: bool) -> Any:
+    """What a runner does around each call: for an FP8 graph ``FP8Replay`` (its eager-replay
+    mirror only checks: the real modules do TE's bookkeeping themselves), the FP8-autocast
+    guard of a TE graph without FP8, or ``NO_FP8``."""
+    if enabled and options.on:
+        return FP8Replay(modules, options) if graphs else FP8Checks(options)
+    return _NotFP8() if has_te else NO_FP8

@@ -1,0 +1,350 @@
+"""Transformer Engine's own layers, bf16 and FP8: graphs on = graphs off, against eager TE.
+
+One differential harness, as tests/test_parity.py: each setup trains a stack of TE modules
+for a few SGD steps of two microbatches (each microbatch inside ``te.autocast``), eagerly,
+through te_graph's eager replay and through CUDA graphs, from the same seeds, and compares
+bitwise: outputs, input grads, parameter grads at every step, weights after the steps, and
+the FP8 meta of every module (amax history and scales).
+
+Needs a GPU and Transformer Engine (on the GPU machine: ``source .te/setup.sh``); skipped
+otherwise. TE is imported here only.
+"""
+from __future__ import annotations
+
+import importlib.util
+import re
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import pytest
+import torch
+from torch import nn
+
+import checkpointing
+from te_graph import make_graphed_callables
+from tests.test_parity import Trace as ParityTrace
+from tests.test_parity import assert_same as assert_parity
+
+HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not HAVE_TE, reason="needs Transformer Engine (on the GPU machine: source .te/setup.sh)"),
+]
+
+H, FFN, HEADS, S, B = 128, 256, 4, 32, 2
+
+
+def te():
+    import transformer_engine.pytorch as te_pytorch
+
+    return te_pytorch
+
+
+def recipes() -> dict:
+    from transformer_engine.common import recipe
+
+    return {
+        "delayed": lambda: recipe.DelayedScaling(),
+        "current": lambda: recipe.Float8CurrentScaling(),
+        "block": lambda: recipe.Float8BlockScaling(),
+    }
+
+
+# -- the tracker: TE's, graph-safe -----------------------------------------------------------
+_TRACKER: Any = None
+
+
+def tracker():
+    return _TRACKER
+
+
+def reseed(seed: int) -> None:
+    global _TRACKER
+    if _TRACKER is None:
+        _TRACKER = te().distributed.CudaRNGStatesTracker()
+    _TRACKER.reset()
+    _TRACKER.add("model-parallel-rng", seed + 2718)
+    torch.manual_seed(seed)
+    torch.cuda.manual_seed(seed)
+
+
+# -- the layers ------------------------------------------------------------------------------
+class Attention(nn.Module):
+    """te.DotProductAttention on the hidden states as q, k and v."""
+
+    def __init__(self, dropout: float):
+        super().__init__()
+        self.attn = te().DotProductAttention(HEADS, H // HEADS, attention_dropout=dropout,
+                                             attn_mask_type="causal", get_rng_state_tracker=tracker)
+
+    def forward(self, x):
+        q = x.view(S, B, HEADS, H // HEADS)
+        return self.attn(q, q, q).view(S, B, H)
+
+
+class Grouped(nn.Module):
+    """te.GroupedLinear over two halves of the tokens."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        self.linear = te().GroupedLinear(2, H, H, params_dtype=dtype)
+
+    def forward(self, x):
+        return self.linear(x.reshape(S * B, H), [S * B // 2, S * B // 2]).view(S, B, H)
+
+
+class Recomputed(nn.Module):
+    """A layer inside a checkpoint: ``checkpointing.checkpoint`` ("ours"), Transformer
+    Engine's ``te.distributed.checkpoint`` ("te"), both driven by TE's tracker, or TE's
+    ``checkpoint_core_attention=True`` ("core-attention")."""
+
+    def __init__(self, layer: nn.Module, kind: str):
+        super().__init__()
+        self.layer = layer
+        self.kind = kind
+
+    def forward(self, x):
+        if self.kind == "ours":
+            return checkpointing.checkpoint(self.layer, x, get_rng_state_tracker=tracker)
+        if self.kind == "core-attention":  # TE recomputes the attention core itself
+            return self.layer(x, checkpoint_core_attention=True)
+        return te().distributed.checkpoint(self.layer, x, get_rng_state_tracker=tracker)
+
+
+def build(kind: str, dtype: torch.dtype, dropout: float) -> nn.Module:
+    t = te()
+    if kind == "linear":
+        return t.Linear(H, H, params_dtype=dtype)
+    if kind == "layernorm_linear":
+        return t.LayerNormLinear(H, H, params_dtype=dtype)
+    if kind == "layernorm_mlp":
+        return t.LayerNormMLP(H, FFN, params_dtype=dtype)
+    if kind == "grouped_linear":
+        return Grouped(dtype)
+    if kind == "dpa":
+        return Attention(dropout)
+    if kind == "mha":
+        return t.MultiheadAttention(H, HEADS, attention_dropout=dropout, params_dtype=dtype,
+                                    attn_mask_type="causal", fuse_qkv_params=True, get_rng_state_tracker=tracker)
+    if kind == "transformer":
+        return t.TransformerLayer(H, FFN, HEADS, hidden_dropout=dropout, attention_dropout=dropout,
+                                  params_dtype=dtype, self_attn_mask_type="causal", fuse_qkv_params=True,
+                                  get_rng_state_tracker=tracker)
+    assert kind == "ops", kind
+    return t.ops.Sequential(t.ops.LayerNorm(H, dtype=dtype), t.ops.Linear(H, H, dtype=dtype))
+
+
+# -- the setups ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TESetup:
+    id: str
+    module: str = "transformer"
+    recipe: Optional[str] = None  # None: bf16; "delayed", "current", "block"
+    dropout: float = 0.0
+    recompute: str = "none"  # "none", "ours", "te", "core-attention"
+    caching: bool = False  # cache_quantized_params, is_first_microbatch at each call
+    eval: bool = False  # forward-only graphs under no_grad (eval mode)
+    layers: int = 2
+
+    def __str__(self) -> str:
+        return self.id
+
+
+SETUPS = [
+    TESetup("linear-bf16", module="linear"),
+    TESetup("layernorm-linear-bf16", module="layernorm_linear"),
+    TESetup("layernorm-mlp-bf16", module="layernorm_mlp"),
+    TESetup("grouped-linear-bf16", module="grouped_linear"),
+    TESetup("dpa-bf16-dropout", module="dpa", dropout=0.1),
+    TESetup("mha-bf16-dropout", module="mha", dropout=0.1),
+    TESetup("transformer-bf16", module="transformer"),
+    TESetup("transformer-bf16-dropout", module="transformer", dropout=0.1),
+    TESetup("ops-sequential-bf16", module="ops"),
+    TESetup("transformer-bf16-dropout-recompute-ours", dropout=0.1, recompute="ours"),
+    TESetup("transformer-bf16-dropout-recompute-te", dropout=0.1, recompute="te"),
+    TESetup("transformer-bf16-dropout-core-attention-checkpoint", dropout=0.1, recompute="core-attention"),
+    TESetup("transformer-fp8-delayed-dropout-recompute-ours", recipe="delayed", dropout=0.1, recompute="ours"),
+    TESetup("transformer-bf16-eval", eval=True),
+    TESetup("linear-fp8-delayed", module="linear", recipe="delayed"),
+    TESetup("linear-fp8-current", module="linear", recipe="current"),
+    TESetup("linear-fp8-block", module="linear", recipe="block"),
+    TESetup("layernorm-mlp-fp8-delayed", module="layernorm_mlp", recipe="delayed"),
+    TESetup("transformer-fp8-delayed", recipe="delayed"),
+    TESetup("transformer-fp8-current-dropout", recipe="current", dropout=0.1),
+    TESetup("transformer-fp8-block", recipe="block"),
+    TESetup("transformer-fp8-delayed-weight-caching", recipe="delayed", caching=True),
+    TESetup("linear-fp8-current-weight-caching", module="linear", recipe="current", caching=True),
+    TESetup("ops-sequential-fp8-delayed", module="ops", recipe="delayed"),
+    TESetup("transformer-fp8-delayed-eval", recipe="delayed", eval=True),
+]
+
+
+@dataclass
+class Trace(ParityTrace):
+    """tests/test_parity.py's trace, and the FP8 meta of every module after the steps."""
+
+    fp8_meta: list = field(default_factory=list)
+
+
+def fp8_meta(modules) -> list:
+    """Every TE module's amax history and scales (DelayedScaling keeps them)."""
+    tensors = []
+    for module in modules:
+        for m in module.modules():
+            meta = getattr(m, "fp8_meta", None)
+            for key in ("scaling_fwd", "scaling_bwd"):
+                state = meta.get(key) if isinstance(meta, dict) else None
+                if state is not None and hasattr(state, "amax_history"):
+                    tensors += [state.amax_history.clone(), state.scale.clone()]
+    return tensors
+
+
+def train(setup: TESetup, mode: str, steps: int = 3, micro: int = 2) -> Trace:
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+
+    FP8GlobalStateManager.reset()
+    reseed(1234)
+    dtype = torch.bfloat16
+    modules = [build(setup.module, dtype, setup.dropout).cuda() for _ in range(setup.layers)]
+    if setup.recompute != "none":
+        modules = [Recomputed(m, setup.recompute) for m in modules]
+    for m in modules:
+        m.train(not setup.eval)
+    params = [p for m in modules for p in m.parameters()]
+    recipe = recipes()[setup.recipe]() if setup.recipe else None
+    layers = modules
+    if mode != "eager":
+        g = torch.Generator(device="cuda").manual_seed(3)
+        samples = tuple(
+            (torch.randn(S, B, H, device="cuda", dtype=dtype, generator=g).requires_grad_(not setup.eval),)
+            for _ in modules
+        )
+        with torch.no_grad() if setup.eval else torch.enable_grad():
+            layers = make_graphed_callables(
+                tuple(modules), samples, enabled=recipe is not None, recipe=recipe,
+                cache_quantized_params=setup.caching, get_rng_state_tracker=tracker,
+                eager_replay=mode == "eager_replay",
+            )
+    opt = torch.optim.SGD(params, lr=0.01) if params else None
+    data = torch.Generator(device="cuda").manual_seed(7)
+    reseed(77)
+    trace = Trace()
+    weight = torch.linspace(-1, 1, S * B * H, device="cuda").view(S, B, H)
+    for _ in range(steps):
+        for p in params:
+            if p.grad is not None:
+                p.grad.zero_()
+        for micro_step in range(micro):
+            x = torch.randn(S, B, H, device="cuda", dtype=dtype, generator=data).requires_grad_(not setup.eval)
+            with torch.no_grad() if setup.eval else torch.enable_grad():
+                with te().autocast(enabled=recipe is not None, recipe=recipe):
+                    h = x
+                    for layer in layers:
+                        h = layer(h, is_first_microbatch=micro_step == 0) if setup.caching else layer(h)
+            trace.outputs.append(h.detach().clone())
+            if not setup.eval:
+                (h.float() * weight).sum().backward()
+                trace.input_grads.append(x.grad.clone())
+        if not setup.eval:
+            trace.param_grads.append([p.grad.clone() for p in params])
+            if opt is not None:
+                opt.step()
+    trace.weights = [p.detach().clone() for p in params]
+    trace.fp8_meta = fp8_meta(modules)
+    return trace
+
+
+def assert_same(got: Trace, want: Trace, what: str) -> None:
+    assert_parity(got, want, what)
+    assert len(got.fp8_meta) == len(want.fp8_meta), f"{what}: fp8_meta: {len(got.fp8_meta)} entries, eager has {len(want.fp8_meta)}"
+    for i, (x, y) in enumerate(zip(got.fp8_meta, want.fp8_meta)):
+        assert torch.equal(x, y), f"{what}: fp8_meta[{i}] differs (max {(x.float() - y.float()).abs().max().item():.3g})"
+
+
+def _skip_unsupported(setup: TESetup) -> None:
+    if setup.recipe is None:
+        return
+    from transformer_engine.pytorch.quantization import check_recipe_support
+
+    try:
+        check_recipe_support(recipes()[setup.recipe]())
+    except Exception as error:  # noqa: BLE001 - TE says why this GPU cannot run it
+        pytest.skip(f"{setup.recipe} scaling does not run here: {error}")
+
+
+@pytest.mark.parametrize("setup", SETUPS, ids=str)
+def test_te_graphs_and_eager_replay_equal_eager_te(setup):
+    _skip_unsupported(setup)
+    want = train(setup, "eager")
+    assert_same(train(setup, "graphs"), want, "graphs")
+    assert_same(train(setup, "eager_replay"), want, "eager replay")
+
+
+# -- refused before anything changes ---------------------------------------------------------
+@pytest.mark.parametrize("eager_replay", [False, True], ids=["graphs", "eager-replay"])
+def test_fp8_calls_that_would_part_from_eager_te_are_refused(eager_replay):
+    from transformer_engine.common import recipe as te_recipe
+
+    reseed(5)
+    layer = te().Linear(H, H, params_dtype=torch.bfloat16).cuda()
+    x = torch.randn(S, B, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    captured = te_recipe.DelayedScaling()
+    graphed = make_graphed_callables(layer, (x,), enabled=True, recipe=captured, eager_replay=eager_replay)
+    with pytest.raises(RuntimeError, match=re.escape("graphed with FP8 but called outside te.autocast(enabled=True, recipe=...)")):
+        graphed(x)
+    with pytest.raises(RuntimeError, match=re.escape("but its graphs were captured with")):
+        with te().autocast(enabled=True, recipe=te_recipe.Float8CurrentScaling()):
+            graphed(x)
+    cached = te().Linear(H, H, params_dtype=torch.bfloat16).cuda()
+    graphed = make_graphed_callables(cached, (x,), enabled=True, recipe=captured, cache_quantized_params=True,
+                                     eager_replay=eager_replay)
+    with pytest.raises(ValueError, match=re.escape("graphed with cache_quantized_params=True, so each call needs the is_first_microbatch=True/False keyword")):
+        with te().autocast(enabled=True, recipe=captured):
+            graphed(x)
+    plain = te().Linear(H, H, params_dtype=torch.bfloat16).cuda()
+    graphed = make_graphed_callables(plain, (x,), eager_replay=eager_replay)
+    with pytest.raises(RuntimeError, match=re.escape("called inside an FP8 te.autocast, but it was graphed without FP8")):
+        with te().autocast(enabled=True, recipe=captured):
+            graphed(x)
+
+
+def test_a_recipe_this_gpu_cannot_run_is_refused_before_anything_changes():
+    from transformer_engine.common import recipe as te_recipe
+    from transformer_engine.pytorch.quantization import check_recipe_support
+
+    mx = te_recipe.MXFP8BlockScaling()
+    try:
+        check_recipe_support(mx)
+        pytest.skip("this GPU runs MXFP8 (Blackwell): nothing to refuse")
+    except Exception as error:  # noqa: BLE001
+        expected = str(error)
+    reseed(5)
+    layer = te().Linear(H, H, params_dtype=torch.bfloat16).cuda()
+    forward = layer.forward
+    with pytest.raises(Exception, match=re.escape(expected[:60])):
+        make_graphed_callables(layer, (torch.randn(S, B, H, device="cuda", dtype=torch.bfloat16, requires_grad=True),),
+                               enabled=True, recipe=mx)
+    assert layer.forward == forward and all(p.grad is None for p in layer.parameters())
+
+
+def test_capture_time_hooks_are_called_with_the_module_alone():
+    reseed(5)
+    layers = [te().Linear(H, H, params_dtype=torch.bfloat16).cuda() for _ in range(2)]
+    calls = []
+    hooks = [{kind: {0: (lambda m, kind=kind, i=i: calls.append((kind, i)))} for kind in
+              ("forward_pre_hooks", "forward_hooks", "backward_pre_hooks", "backward_hooks")} for i in range(2)]
+    samples = tuple((torch.randn(S, B, H, device="cuda", dtype=torch.bfloat16, requires_grad=True),) for _ in layers)
+    make_graphed_callables(tuple(layers), samples, num_warmup_iters=1, capture_time_hooks=hooks)
+    assert calls[:4] == [("forward_pre_hooks", 0), ("forward_hooks", 0), ("backward_pre_hooks", 0), ("backward_hooks", 0)]
+    assert len(calls) == 16  # one warmup pass and the capture, 4 hooks x 2 layers each
+
+
+@pytest.mark.parametrize("recipe_name", ["delayed", "current"])
+def test_our_checkpoint_recomputes_fp8_as_transformer_engines_does(recipe_name):
+    """Without dropout (where TE's checkpoint is exact too), a TE layer recomputed by
+    ``checkpointing.checkpoint`` trains in FP8 exactly as under ``te.distributed.checkpoint``:
+    the recompute runs in the forward's FP8 autocast, with the forward's scales."""
+    _skip_unsupported(TESetup("probe", recipe=recipe_name))
+    ours = train(TESetup("ours", recipe=recipe_name, recompute="ours"), "eager")
+    theirs = train(TESetup("theirs", recipe=recipe_name, recompute="te"), "eager")
+    assert_same(ours, theirs, "checkpointing.checkpoint against te.distributed.checkpoint")
