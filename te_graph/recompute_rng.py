@@ -139,10 +139,6 @@ class RecomputeRNG:
             _seeds=[-1] * len(targets),
         )
 
-    @property
-    def has_regions(self) -> bool:
-        return bool(self.targets)
-
     def for_replay(self) -> "RecomputeRNG | _NoRecompute":
         """What replay calls around each call: itself, or ``NO_RECOMPUTE`` when no
         checkpointed region draws random numbers (nothing to record or restore)."""
