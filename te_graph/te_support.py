@@ -122,14 +122,7 @@ def fp8_options(arguments: Mapping[str, Any], callables: Sequence[Callable]) -> 
             f"make_graphed_callables: enabled= must be a bool or a tuple of bools (one per "
             f"callable), got {enabled!r}."
         )
-    options = FP8Options(
-        enabled=enabled,
-        calibrating=bool(given.get("calibrating") or False),
-        recipe=given.get("recipe"),
-        amax_reduction_group=given.get("amax_reduction_group"),
-        cache_quantized_params=bool(given.get("cache_quantized_params") or False),
-    )
-    if not options.on:
+    if not any(enabled):
         return FP8Options(enabled=enabled)  # TE forces the recipe off too
     _te()
     for index, (c, on) in enumerate(zip(callables, enabled)):
@@ -139,15 +132,19 @@ def fp8_options(arguments: Mapping[str, Any], callables: Sequence[Callable]) -> 
                 "enabled; FP8 capture needs modules (Transformer Engine's FP8 state lives in "
                 "the modules, and each call registers it). Wrap it in an nn.Module."
             )
-    recipe = options.recipe
+    from transformer_engine.pytorch.quantization import check_recipe_support, get_default_fp8_recipe  # noqa: PLC0415
+
+    recipe = given.get("recipe")
     if recipe is None:
-        from transformer_engine.pytorch.quantization import get_default_fp8_recipe  # noqa: PLC0415
-
         recipe = get_default_fp8_recipe()  # TE's default for this GPU
-    from transformer_engine.pytorch.quantization import check_recipe_support  # noqa: PLC0415
-
     check_recipe_support(recipe)  # a recipe this GPU cannot run: TE's error, before any change
-    return FP8Options(enabled, options.calibrating, recipe, options.amax_reduction_group, options.cache_quantized_params)
+    return FP8Options(
+        enabled=enabled,
+        calibrating=bool(given.get("calibrating") or False),
+        recipe=recipe,
+        amax_reduction_group=given.get("amax_reduction_group"),
+        cache_quantized_params=bool(given.get("cache_quantized_params") or False),
+    )
 
 
 def te_modules_in(module: Any) -> bool:
@@ -159,7 +156,8 @@ def te_modules_in(module: Any) -> bool:
     return any(isinstance(m, kinds) for m in module.modules())
 
 
-def _te_kinds(te: Any) -> tuple:
+def _te_kinds(te: Any) -> tuple[type, type, type]:
+    """TE's module base, its fusible-operation base and ``te.ops.Sequential``."""
     from transformer_engine.pytorch.module.base import TransformerEngineBaseModule  # noqa: PLC0415
     from transformer_engine.pytorch.ops.op import BasicOperation  # noqa: PLC0415
 
@@ -189,13 +187,12 @@ def accepts_is_first_microbatch(call: Callable) -> bool:
 
 # -- capture ------------------------------------------------------------------------------------
 class FP8Capture:
-    """TE's FP8 state across warmup and capture: the capture flag, the saved FP8 meta, the
-    autocast each callable runs in, and the TE modules each forward runs."""
+    """TE's FP8 state across warmup and capture: the capture flag, the saved FP8 meta and
+    the autocast each callable runs in."""
 
     def __init__(self, options: FP8Options, modules: Sequence[torch.nn.Module]):
         self.options = options
         self.modules = list(modules)
-        self._saved: Any = None
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
@@ -204,13 +201,14 @@ class FP8Capture:
         from transformer_engine.pytorch.quantization import FP8GlobalStateManager  # noqa: PLC0415
 
         te_graph.set_capture_start()
+        saved = None
         try:
-            self._saved = te_graph.save_fp8_tensors(self.modules, self.options.recipe)
+            saved = te_graph.save_fp8_tensors(self.modules, self.options.recipe)
             if self.options.cache_quantized_params:
                 FP8GlobalStateManager.set_skip_fp8_weight_update_tensor(False)
             yield
         finally:
-            te_graph.restore_fp8_tensors(self.modules, self._saved)
+            te_graph.restore_fp8_tensors(self.modules, saved)
             te_graph.set_capture_end()
 
     def autocast(self, enabled: bool) -> Any:
@@ -231,13 +229,12 @@ def visited_te_modules(func: Any) -> Iterator[list]:
     if te is None:
         yield found
         return
-    from transformer_engine.pytorch.module.base import TransformerEngineBaseModule  # noqa: PLC0415
-    from transformer_engine.pytorch.ops.op import BasicOperation  # noqa: PLC0415
+    base, operation, sequential = _te_kinds(te)
 
     def record(module: torch.nn.Module, *_: Any) -> None:
-        if isinstance(module, (TransformerEngineBaseModule, BasicOperation)):
+        if isinstance(module, (base, operation)):
             found.append(module)
-        elif isinstance(module, te.ops.Sequential):
+        elif isinstance(module, sequential):
             for group in module._module_groups or ():
                 found.extend(getattr(group, "_basic_ops", ()))
 
