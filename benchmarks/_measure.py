@@ -61,6 +61,18 @@ class Settings:
     traceback: bool
 
 
+class FirstOutput(torch.nn.Module):
+    """``block(x)[0]``: torch's and Transformer Engine's make_graphed_callables need
+    tensor-only outputs, and a GPTBlock returns ``(hidden_states, None)``."""
+
+    def __init__(self, block: torch.nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(x)[0]
+
+
 def free_memory(clear_cublas_workspaces: bool = True) -> None:
     """Drop garbage and cached blocks. Clearing the cuBLAS workspaces is only safe when no
     captured graph that used them survives (between variants)."""

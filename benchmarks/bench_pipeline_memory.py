@@ -1,5 +1,7 @@
-"""Memory of per-(layer, microbatch) graphs under an interleaved 1F1B pipeline order, with
-and without ``reuse_graph_input_output_buffers`` (issue "pipeline").
+"""Memory and time of per-(layer, microbatch) graphs under an interleaved 1F1B pipeline
+order, with and without ``reuse_graph_input_output_buffers`` (issue "pipeline"), beside
+Transformer Engine's ``make_graphed_callables`` with ``_order`` and
+``_reuse_graph_input_output_buffers`` where TE is importable.
 
 Run from the repository root on a CUDA machine::
 
@@ -14,7 +16,8 @@ What it does, on one GPU, as pipeline rank ``--rank`` of ``--pipeline-size`` wou
    one-backward, cooldown backwards, microbatches taken in groups of ``--pipeline-size``
    per chunk as Megatron does), checked for causality on one device.
 2. Per variant (``eager`` reference, ``te_graph`` without reuse, ``te_graph`` with
-   ``reuse_graph_input_output_buffers=True``), from a fresh allocator state:
+   ``reuse_graph_input_output_buffers=True``, and TE's graphs without and with reuse,
+   called with the same arguments under TE's private names), from a fresh allocator state:
    builds the blocks, makes one sample input per (chunk, microbatch, layer), calls
    ``te_graph.make_graphed_callables(blocks, sample_args, order=..., num_layers_per_chunk=...,
    reuse_graph_input_output_buffers=..., pool=pool)``, drops its own references to the
@@ -29,7 +32,8 @@ What it does, on one GPU, as pipeline rank ``--rank`` of ``--pipeline-size`` wou
    * one training iteration run through the order, after ``gc.collect(); empty_cache();
      reset_peak_memory_stats()``: its peak allocated memory and its footprint, the peak
      *reserved* memory (``max_memory_allocated`` does not count graph-pool memory that
-     capture freed but replay still writes, so it flatters graphs).
+     capture freed but replay still writes, so it flatters graphs); then the median wall
+     time of ``--iters`` more iterations.
 3. The iteration feeds chunk ``c+1`` a copy of chunk ``c``'s output (the p2p receive) and
    chunk ``c`` the input grad of chunk ``c+1`` (the p2p send of the backward); the last chunk
    backprops ``out.float().square().mean()``. Parameter grads of the graphed variants are
@@ -42,16 +46,19 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import importlib.util
 import json
 import os
+import statistics
 import sys
+import time
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 import torch  # noqa: E402
-from _measure import MIB, environment, free_memory  # noqa: E402
+from _measure import MIB, FirstOutput, environment, free_memory  # noqa: E402
 from _report import record_failure  # noqa: E402
 
 import rng  # noqa: E402
@@ -215,6 +222,17 @@ def _free():
     free_memory(clear_cublas_workspaces=False)
 
 
+def _te_make_graphed(blocks, sample_args, order, layers_per_chunk, reuse, pool):
+    """Transformer Engine's make_graphed_callables with its private pipeline arguments, on
+    the same blocks (tensor-only outputs), called as the GPTBlocks are: ``(h, None)``."""
+    from transformer_engine.pytorch import make_graphed_callables as te_make_graphed_callables
+
+    graphed = te_make_graphed_callables(
+        tuple(FirstOutput(b) for b in blocks), sample_args, _order=order,
+        _num_layers_per_chunk=layers_per_chunk, _reuse_graph_input_output_buffers=reuse, pool=pool)
+    return [lambda h, g=g: (g(h), None) for g in graphed]
+
+
 def run_variant(name, reuse, args, order, inputs):
     C, M, L = args.chunks, args.microbatches, args.layers_per_chunk
     result = {"variant": name}
@@ -235,9 +253,12 @@ def run_variant(name, reuse, args, order, inputs):
             ]
             sample_bytes = sum(a[0].numel() * a[0].element_size() for a in sample_args)
             pool = te_graph.graph_pool_handle()
-            graphed = te_graph.make_graphed_callables(
-                tuple(blocks), tuple(sample_args), order=order, num_layers_per_chunk=L,
-                reuse_graph_input_output_buffers=reuse, pool=pool)
+            if name.startswith("TE"):
+                graphed = _te_make_graphed(blocks, tuple(sample_args), order, L, reuse, pool)
+            else:
+                graphed = te_graph.make_graphed_callables(
+                    tuple(blocks), tuple(sample_args), order=order, num_layers_per_chunk=L,
+                    reuse_graph_input_output_buffers=reuse, pool=pool)
             del sample_args  # with reuse the library may hand their memory to other graphs
             gc.collect()
             torch.cuda.synchronize()
@@ -270,6 +291,8 @@ def run_variant(name, reuse, args, order, inputs):
         if any(g is None for g in grads):
             result["error"] = "some parameter has no grad after the iteration"
         result["grads"] = [None if g is None else g.detach().cpu() for g in grads]
+        result["iteration_ms"] = _median_iteration_ms(
+            lambda: run_iteration(layer_fn, order, inputs, C, M, L), args.iters)
         del grads, layer_fn, blocks, params
     except Exception as error:  # noqa: BLE001 - report and go on
         record_failure(result, error, args.traceback)
@@ -277,6 +300,19 @@ def run_variant(name, reuse, args, order, inputs):
         del graphed
     _free()
     return result
+
+
+def _median_iteration_ms(iteration, iters):
+    """Median wall time of ``iters`` more iterations (grads keep accumulating; only the
+    first iteration's are compared). Each is synchronised: a sync point per iteration."""
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        iteration()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times) if times else None
 
 
 def compare(reference, result):
@@ -310,6 +346,10 @@ def parse_args(argv=None):
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=20,
+                        help="timed iterations after the measured one (median ms; default 20)")
+    parser.add_argument("--no-te", action="store_true",
+                        help="leave out Transformer Engine's make_graphed_callables rows")
     parser.add_argument("--out", default=None, help="optional JSON path for the raw numbers")
     parser.add_argument("--traceback", action="store_true", help="print full tracebacks of failing variants")
     return parser.parse_args(argv)
@@ -333,12 +373,14 @@ def main(argv=None):
           f"{args.pipeline_size}, rank {args.rank}")
     inputs = make_inputs(args)
     variants = [("eager", False), ("te_graph", False), ("te_graph+reuse", True)]
+    if not args.no_te and importlib.util.find_spec("transformer_engine") is not None:
+        variants += [("TE graphs", False), ("TE graphs+reuse", True)]
     prime_capture_stream()
     results = {name: run_variant(name, reuse, args, order, inputs) for name, reuse in variants}
 
     header = (f"{'variant':<16} {'static MiB':>10} {'w/o pgrad':>10} {'pool res':>10} "
               f"{'pool alloc':>10} {'capt peak':>10} {'capt res':>10} {'iter peak':>10} "
-              f"{'footprint':>10}  vs eager grads")
+              f"{'footprint':>10} {'iter ms':>8}  vs eager grads")
     print()
     print(header)
     print("-" * len(header))
@@ -350,13 +392,15 @@ def main(argv=None):
         print(f"{name:<16} {_fmt(r.get('static_mib'))} {_fmt(r.get('static_without_param_grads_mib'))} "
               f"{_fmt(r.get('pool_reserved_mib'))} {_fmt(r.get('pool_allocated_mib'))} "
               f"{_fmt(r.get('capture_peak_mib'))} {_fmt(r.get('capture_peak_reserved_mib'))} "
-              f"{_fmt(r.get('peak_mib'))} {_fmt(r.get('footprint_mib'))}  {check}")
+              f"{_fmt(r.get('peak_mib'))} {_fmt(r.get('footprint_mib'))} "
+              f"{_fmt(r.get('iteration_ms'), '8.2f')}  {check}")
         if "error" in r:
             print(f"{'':<16} ERROR: {r['error']}")
     print("static = memory_allocated after capture (sample args dropped) - before the sample "
           "args; w/o pgrad = minus parameter grad buffers; pool = graph pool segments; capt "
           "peak/res = peak allocated/reserved of build + capture; iter peak = peak allocated "
-          "of the iteration; footprint = its peak reserved (after empty_cache).")
+          "of the iteration; footprint = its peak reserved (after empty_cache); iter ms = "
+          "median wall time of --iters more iterations.")
     plain, reused = results["te_graph"], results["te_graph+reuse"]
     if plain.get("static_mib") is not None and reused.get("static_mib") is not None:
         saved = plain["static_mib"] - reused["static_mib"]

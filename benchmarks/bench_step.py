@@ -67,6 +67,7 @@ for _path in (_ROOT, os.path.join(_ROOT, "benchmarks")):
 import torch  # noqa: E402
 from _measure import (  # noqa: E402
     Built,
+    FirstOutput,
     Variant,
     add_measure_args,
     csv_choice,
@@ -147,18 +148,6 @@ def _no_fork_tracker() -> _NoFork:
     return _NO_FORK
 
 
-class _FirstOutput(nn.Module):
-    """``block(x)[0]``: torch's make_graphed_callables needs tensor-only outputs, and a
-    GPTBlock returns ``(hidden_states, None)``."""
-
-    def __init__(self, block: nn.Module):
-        super().__init__()
-        self.block = block
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.block(x)[0]
-
-
 def build_blocks(cfg: tuple, recompute: bool = False,
                  get_rng_tracker: Callable = rng.get_cuda_rng_tracker) -> list[GPTBlock]:
     layers, hidden, _, _ = cfg
@@ -207,7 +196,7 @@ def _te_graph(cfg: tuple, recompute: bool = False, buckets: bool = False) -> Bui
 
 def _torch_graphed(cfg: tuple) -> Built:
     blocks = build_blocks(cfg, get_rng_tracker=_no_fork_tracker)
-    wrapped = tuple(_FirstOutput(b) for b in blocks)
+    wrapped = tuple(FirstOutput(b) for b in blocks)
     samples = sample_args_for(cfg)
     graphed, seconds = synchronised(lambda: torch.cuda.make_graphed_callables(wrapped, samples))
     return Built(make_train_step(graphed, _params(blocks)), keep=(blocks, graphed), capture_s=seconds)
@@ -220,7 +209,7 @@ def _te_graphed(cfg: tuple) -> Built:
     from transformer_engine.pytorch import make_graphed_callables as te_make_graphed_callables
 
     blocks = build_blocks(cfg, get_rng_tracker=_no_fork_tracker)
-    wrapped = tuple(_FirstOutput(b) for b in blocks)
+    wrapped = tuple(FirstOutput(b) for b in blocks)
     samples = sample_args_for(cfg)
     graphed, seconds = synchronised(lambda: te_make_graphed_callables(wrapped, samples))
     return Built(make_train_step(graphed, _params(blocks)), keep=(blocks, graphed), capture_s=seconds,

@@ -12,6 +12,7 @@ import torch
 from .layout import InputLayout, describe
 from . import compat
 from .graphed import graphed_callable_of
+from .te_support import is_quantized_tensor
 
 EAGER_REPLAY_HINT = (
     "To debug on a machine without graphs, pass eager_replay=True (or set "
@@ -95,14 +96,14 @@ def check_modules(callables: Sequence[Callable]) -> None:
                     "while the graphs are prepared."
                 )
         for name, p in c.named_parameters():
-            if p.requires_grad and type(p).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:
+            if (p.requires_grad and type(p).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__
+                    and not is_quantized_tensor(p)):
                 raise ValueError(
                     f"make_graphed_callables: parameter {name!r} of callable {index} is a "
-                    f"{type(p).__name__}, a tensor subclass with its own dispatch (FP8 primary "
-                    "weights from Transformer Engine's quantized_model_init, a DTensor, ...); "
-                    "te_graph graphs plain parameters. Build the module without "
-                    "quantized_model_init (te.autocast still computes in FP8), or graph it with "
-                    "Transformer Engine's make_graphed_callables."
+                    f"{type(p).__name__}, a tensor subclass with its own dispatch (a DTensor, "
+                    "...); te_graph graphs plain parameters and Transformer Engine's quantized "
+                    "weights (quantized_model_init), not other tensor subclasses. Give the "
+                    "module plain parameters."
                 )
         for name, buffer in c.named_buffers():
             if buffer.requires_grad:

@@ -17,7 +17,9 @@ one of two paths, chosen at each call:
   hooks the gradient accumulators), hooks on the parameter (``register_hook``,
   ``register_post_accumulate_grad_hook``), parameters with Megatron's ``main_grad`` (its
   DDP hooks the accumulators too; attached before or after graphing) or
-  ``accumulate_grads_in_graph=False``. The buffer is
+  ``accumulate_grads_in_graph=False``; or when a parameter's ``.grad`` is a tensor subclass
+  (an FP8 ``.grad`` of a Transformer Engine FP8 weight, made by ``torch.empty_like``), which
+  eager autograd accumulates into with the subclass's own arithmetic. The buffer is
   zeroed, the replay leaves the fresh gradient in it, and the graphed call hands it to
   autograd as the parameter's gradient, so accumulation and every hook run exactly as in
   eager code, once per backward.
@@ -33,6 +35,8 @@ import torch
 from . import compat
 
 _grad_of = operator.attrgetter("grad")
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_PLAIN_GRAD = (type(None), torch.Tensor)
 
 
 def _has_main_grad(param: torch.Tensor) -> bool:
@@ -72,16 +76,21 @@ class ParamGrads:
     def __init__(self, params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor]):
         self.params = tuple(params)
         self.buffers = tuple(buffers)
+        # Only a tensor-subclass parameter (a TE FP8 weight) gets a subclass .grad from
+        # torch.empty_like(param); plain ones skip that check on the hot path.
+        self._subclass_params = tuple(p for p in self.params if type(p) not in _PLAIN)
 
     def observed(self) -> bool:
         """Whether something observes a parameter's gradient: hooks on it, or Megatron's
         ``main_grad`` (its DDP hooks the gradient accumulator), attached before or after
-        graphing. On the hot path: a few C-level attribute reads per parameter."""
+        graphing; or a subclass ``.grad`` only autograd may accumulate into. On the hot
+        path: a few C-level attribute reads per parameter."""
         params = self.params
         return (
             any(map(compat.tensor_hooks, params))
             or (compat.HAS_POST_ACCUMULATE_HOOKS and any(map(compat.post_accumulate_hooks, params)))
             or any(map(_has_main_grad, params))
+            or any(type(p.grad) not in _PLAIN_GRAD for p in self._subclass_params)
         )
 
     def prepare_in_graph(self) -> None:
@@ -108,7 +117,7 @@ class ParamGrads:
         handed out uncloned, is moved out first)."""
         for p, b in zip(self.params, self.buffers):
             grad = p.grad
-            if grad is not None and grad.data_ptr() == b.data_ptr():
+            if type(grad) is torch.Tensor and grad.data_ptr() == b.data_ptr():
                 p.grad = grad.clone()
         compat.zero_(self.buffers)
 

@@ -7,7 +7,8 @@ reducer and Megatron's grad-accumulation hooks during warmup, and *capture* them
 backward graph. So while warmup and capture run, each trainable parameter of the graphed
 modules is replaced, in its module, by a stand-in: a new leaf ``Parameter`` on the same
 storage (the graphs read the real parameter's memory by address) that carries the same
-Python attributes (Megatron's ``main_grad`` and flags) and no hooks. Autograd accumulates
+Python attributes (Megatron's ``main_grad`` and flags; a Transformer Engine FP8 weight's
+whole attribute dict, shared) and no hooks. Autograd accumulates
 into the stand-ins; the real parameters get their gradients at replay, in the graph or
 through autograd, where their hooks run once per backward as in eager code.
 
@@ -26,6 +27,7 @@ import torch
 
 from . import compat
 from .layout import describe
+from .te_support import is_quantized_tensor
 
 __all__ = ["StandIns", "ForeignLeaves"]
 
@@ -48,7 +50,14 @@ class StandIns:
                         continue
                     if id(p) not in self.of:
                         stand_in = torch.nn.Parameter(p.detach(), requires_grad=True)
-                        stand_in.__dict__.update(p.__dict__)
+                        if is_quantized_tensor(p):
+                            # A TE quantized weight keeps its state in Python attributes
+                            # that its ops reassign (the FP8 transpose, made at first use,
+                            # and its valid flag): shared, so what warmup and capture make
+                            # is the real parameter's, as in TE's own graphs.
+                            stand_in.__dict__ = p.__dict__
+                        else:
+                            stand_in.__dict__.update(p.__dict__)
                         self.of[id(p)] = stand_in
                         self.real[id(stand_in)] = p
                     self._slots.append((sub, name, p))

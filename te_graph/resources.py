@@ -49,7 +49,9 @@ class ProcessResources:
         ref = self._grad_buffers.get(param)
         buffer = ref() if ref is not None else None
         if buffer is None:
-            buffer = torch.zeros_like(param)
+            # A TE quantized weight's gradient is a plain tensor of its nominal dtype.
+            plain = type(param) in (torch.Tensor, torch.nn.Parameter)
+            buffer = torch.zeros_like(param) if plain else torch.zeros(param.shape, dtype=param.dtype, device=param.device)
             self._grad_buffers[param] = weakref.ref(buffer)
         return buffer
 

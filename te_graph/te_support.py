@@ -37,7 +37,7 @@ import torch
 
 __all__ = [
     "FP8_ARGUMENTS", "FP8Options", "fp8_options", "te_modules_in", "FP8Capture", "fp8_replay",
-    "NO_FP8", "accepts_is_first_microbatch", "forget_stand_in_caches", "visited_te_modules", "FP8Checks", "FP8Replay",
+    "NO_FP8", "accepts_is_first_microbatch", "is_quantized_tensor", "forget_stand_in_caches", "visited_te_modules", "FP8Checks", "FP8Replay",
 ]
 
 _DEPRECATED = {
@@ -175,6 +175,15 @@ def forget_stand_in_caches(modules: Sequence[Any]) -> None:
         for m in module.modules() if isinstance(module, torch.nn.Module) else ():
             if isinstance(m, te.ops.Sequential):
                 m._module_groups = None
+
+
+def is_quantized_tensor(t: torch.Tensor) -> bool:
+    """Whether ``t`` is one of Transformer Engine's quantized tensors (FP8 primary weights
+    from ``te.quantized_model_init``), by its class's lineage: never imports TE."""
+    return any(
+        cls.__name__ == "QuantizedTensor" and cls.__module__.startswith("transformer_engine.")
+        for cls in type(t).__mro__
+    )
 
 
 def accepts_is_first_microbatch(call: Callable) -> bool:

@@ -514,7 +514,7 @@ def test_leaves_used_only_under_no_grad_or_traced_by_compile_are_not_foreign():
 
 
 class _Wrapped(torch.Tensor):
-    """A tensor subclass with its own dispatch, as FP8 primary weights are."""
+    """A tensor subclass with its own dispatch that is not one of TE's quantized tensors."""
 
     @staticmethod
     def __new__(cls, inner):
@@ -534,5 +534,5 @@ class _Wrapped(torch.Tensor):
 def test_a_parameter_that_is_a_dispatching_tensor_subclass_is_refused():
     m = Lin()
     m.lin.weight = nn.Parameter(_Wrapped(torch.randn(4, 4)))
-    _refused(ValueError, re.escape("parameter 'lin.weight' of callable 0 is a _Wrapped, a tensor subclass with its own dispatch (FP8 primary weights from Transformer Engine's quantized_model_init, a DTensor, ...); te_graph graphs plain parameters."),
+    _refused(ValueError, re.escape("parameter 'lin.weight' of callable 0 is a _Wrapped, a tensor subclass with its own dispatch (a DTensor, ...); te_graph graphs plain parameters and Transformer Engine's quantized weights (quantized_model_init), not other tensor subclasses."),
              lambda: make_graphed_callables(m, X1, eager_replay=True), m)

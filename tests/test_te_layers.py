@@ -4,7 +4,8 @@ One differential harness, as tests/test_parity.py: each setup trains a stack of 
 for a few SGD steps of two microbatches (each microbatch inside ``te.autocast``), eagerly,
 through te_graph's eager replay and through CUDA graphs, from the same seeds, and compares
 bitwise: outputs, input grads, parameter grads at every step, weights after the steps, and
-the FP8 meta of every module (amax history and scales).
+the FP8 meta of every module (amax history and scales). Rows cover bf16 parameters and FP8
+primary weights (``te.quantized_model_init``), whose SGD step re-quantizes them in place.
 
 Needs a GPU and Transformer Engine (on the GPU machine: ``source .te/setup.sh``); skipped
 otherwise. TE is imported here only.
@@ -144,6 +145,8 @@ class TESetup:
     recompute: str = "none"  # "none", "ours", "te", "core-attention"
     caching: bool = False  # cache_quantized_params, is_first_microbatch at each call
     eval: bool = False  # forward-only graphs under no_grad (eval mode)
+    fp8_params: bool = False  # FP8 primary weights: built inside te.quantized_model_init
+    grads_like_params: bool = False  # .grad = torch.empty_like(param) first, as TE's tests do
     layers: int = 2
 
     def __str__(self) -> str:
@@ -176,6 +179,21 @@ SETUPS = [
     TESetup("linear-fp8-current-weight-caching", module="linear", recipe="current", caching=True),
     TESetup("ops-sequential-fp8-delayed", module="ops", recipe="delayed"),
     TESetup("transformer-fp8-delayed-eval", recipe="delayed", eval=True),
+    TESetup("linear-fp8-delayed-primary-weights", module="linear", recipe="delayed", fp8_params=True),
+    TESetup("linear-fp8-block-primary-weights", module="linear", recipe="block", fp8_params=True),
+    TESetup("layernorm-mlp-fp8-current-primary-weights", module="layernorm_mlp", recipe="current", fp8_params=True),
+    TESetup("transformer-fp8-delayed-dropout-primary-weights", recipe="delayed", dropout=0.1, fp8_params=True),
+    TESetup("transformer-fp8-current-primary-weights-recompute-ours", recipe="current", dropout=0.1,
+            recompute="ours", fp8_params=True),
+    TESetup("transformer-fp8-delayed-primary-weights-weight-caching", recipe="delayed", caching=True, fp8_params=True),
+    TESetup("ops-sequential-fp8-delayed-primary-weights", module="ops", recipe="delayed", fp8_params=True),
+    TESetup("transformer-fp8-delayed-primary-weights-eval", recipe="delayed", eval=True, fp8_params=True),
+    # empty_like of an FP8 weight is an FP8 tensor: eager accumulates into an FP8 .grad
+    TESetup("linear-fp8-delayed-primary-weights-fp8-grads", module="linear", recipe="delayed", fp8_params=True,
+            grads_like_params=True),
+    TESetup("transformer-fp8-current-primary-weights-fp8-grads", recipe="current", fp8_params=True,
+            grads_like_params=True),
+    TESetup("transformer-bf16-grads-like-params", grads_like_params=True),
 ]
 
 
@@ -205,13 +223,17 @@ def train(setup: TESetup, mode: str, steps: int = 3, micro: int = 2) -> Trace:
     FP8GlobalStateManager.reset()
     reseed(1234)
     dtype = torch.bfloat16
-    modules = [build(setup.module, dtype, setup.dropout).cuda() for _ in range(setup.layers)]
+    recipe = recipes()[setup.recipe]() if setup.recipe else None
+    with te().quantized_model_init(enabled=setup.fp8_params, recipe=recipe):
+        modules = [build(setup.module, dtype, setup.dropout).cuda() for _ in range(setup.layers)]
     if setup.recompute != "none":
         modules = [Recomputed(m, setup.recompute) for m in modules]
     for m in modules:
         m.train(not setup.eval)
     params = [p for m in modules for p in m.parameters()]
-    recipe = recipes()[setup.recipe]() if setup.recipe else None
+    if setup.grads_like_params:
+        for p in params:
+            p.grad = torch.empty_like(p)  # zeroed at the first step
     layers = modules
     if mode != "eager":
         g = torch.Generator(device="cuda").manual_seed(3)
