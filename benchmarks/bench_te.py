@@ -12,7 +12,9 @@ attention, dropout 0.1 under TE's RNG tracker, ``[s, b, h]`` activations) and me
 row after the other in the same process (``_measure.py`` says exactly how: median ms over
 ``--iters`` back-to-back steps, steady footprint = ``max_memory_reserved()``, capture peak,
 capture seconds), for each precision (``bf16``; ``fp8-delayed`` = DelayedScaling;
-``fp8-current`` = Float8CurrentScaling), the step running inside
+``fp8-current`` = Float8CurrentScaling; ``fp8-delayed-weights`` = DelayedScaling with FP8
+primary weights, the layers built inside ``te.quantized_model_init`` with fused QKV
+parameters, which TE needs for them), the step running inside
 ``te.autocast(enabled, recipe)``:
 
 * ``eager``            the layers run eagerly;
@@ -63,7 +65,7 @@ CONFIGS = {
     "te-small": (6, 1024, 4096, 16, 512, 2),  # issue 19's table
     "te-tiny": (24, 256, 1024, 4, 128, 2),  # launch-bound
 }
-PRECISIONS = ("bf16", "fp8-delayed", "fp8-current")
+PRECISIONS = ("bf16", "fp8-delayed", "fp8-current", "fp8-delayed-weights")
 DROPOUT = 0.1
 SEED = 1234
 NUM_INPUTS = 4
@@ -78,7 +80,8 @@ def te():
 def recipe_for(precision: str):
     from transformer_engine.common import recipe
 
-    return {"bf16": None, "fp8-delayed": recipe.DelayedScaling(), "fp8-current": recipe.Float8CurrentScaling()}[precision]
+    return {"bf16": None, "fp8-delayed": recipe.DelayedScaling(), "fp8-current": recipe.Float8CurrentScaling(),
+            "fp8-delayed-weights": recipe.DelayedScaling()}[precision]
 
 
 _TRACKER = None
@@ -112,15 +115,18 @@ class Recomputed(nn.Module):
         return te().distributed.checkpoint(self.layer, x, get_rng_state_tracker=tracker)
 
 
-def build_layers(cfg: tuple, recompute: bool, ours: bool) -> list[nn.Module]:
+def build_layers(cfg: tuple, precision: str, recompute: bool, ours: bool) -> list[nn.Module]:
     layers, hidden, ffn, heads, _, _ = cfg
     reseed()
-    made = [
-        te().TransformerLayer(hidden, ffn, heads, hidden_dropout=DROPOUT, attention_dropout=DROPOUT,
-                              params_dtype=torch.bfloat16, self_attn_mask_type="causal",
-                              get_rng_state_tracker=tracker)
-        for _ in range(layers)
-    ]
+    fp8_weights = precision.endswith("-weights")  # FP8 primary weights
+    with te().quantized_model_init(enabled=fp8_weights, recipe=recipe_for(precision)):
+        made = [
+            te().TransformerLayer(hidden, ffn, heads, hidden_dropout=DROPOUT, attention_dropout=DROPOUT,
+                                  params_dtype=torch.bfloat16, self_attn_mask_type="causal",
+                                  get_rng_state_tracker=tracker,
+                                  fuse_qkv_params=fp8_weights)  # TE cannot split FP8 weights
+            for _ in range(layers)
+        ]
     return [Recomputed(m, ours) for m in made] if recompute else made
 
 
@@ -147,7 +153,7 @@ def make_step(layers: Sequence[Callable], params: Sequence[torch.Tensor], precis
 
 
 def build(cfg: tuple, precision: str, kind: str, recompute: bool) -> Built:
-    layers = build_layers(cfg, recompute, ours=kind == TE_GRAPH)
+    layers = build_layers(cfg, precision, recompute, ours=kind == TE_GRAPH)
     params = [p for m in layers for p in m.parameters()]
     if kind == EAGER:
         return Built(make_step(layers, params, precision), keep=layers)
