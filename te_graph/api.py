@@ -23,6 +23,7 @@ from .records import GraphSpec
 from .replay import NO_CLOCK, Clock, EagerRunner, GraphRunner, ReplayOptions
 from .resources import RESOURCES
 from .schedule import plan_schedule
+from .wgrad import WgradQueue
 
 __all__ = ["make_graphed_callables", "eager_replay_default", "Samples", "reset", "graph_pool_handle"]
 
@@ -207,6 +208,7 @@ def _capture_options(options: GraphOptions, pool: Any, tracker: Any, fp8: FP8Opt
         allow_unused_input=options.allow_unused_input,
         reuse_buffers=options.reuse_graph_input_output_buffers and not options.eager_replay,
         chain_grads=options.order is None,
+        has_order=options.order is not None,
         pool=pool,
         tracker=tracker,
         eager_replay=options.eager_replay,
@@ -235,14 +237,18 @@ def _wrap(spec_sets: list[list[GraphSpec]], prepared: Prepared, options: GraphOp
         clone_param_grads=options.clone_param_grads_on_return,
     )
     clock = Clock() if len(spec_sets) > 1 else NO_CLOCK
+    # One queue of weight-gradient passes per callable, over its microbatches' graphs (TE
+    # keeps one per module).
+    queues = {spec.owner: WgradQueue() for spec in spec_sets[0]}
 
     def runner(variant: int, index: int):
         spec = spec_sets[variant][index]
+        queue = queues[spec.owner]
         if prepared.captured is None:
             warmup = prepared.warmups[variant][index]
             checks_ = fp8_replay(spec.fp8, fp8, warmup.te_modules, spec.has_te, graphs=False)
-            return EagerRunner(spec, warmup, checks_, clock, variant)
-        return GraphRunner(spec, prepared.captured[variant][index], replay, clock, variant)
+            return EagerRunner(spec, warmup, checks_, clock, variant, queue)
+        return GraphRunner(spec, prepared.captured[variant][index], replay, clock, variant, queue)
 
     return [
         GraphedCallable([runner(v, i) for v in range(len(spec_sets))], spec_sets[0][i], pool, options.unseen_shape)

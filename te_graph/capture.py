@@ -43,7 +43,8 @@ from .plan import GraphLayout, GraphPlan, TensorMeta, plan_capture
 from .recompute_rng import NO_SYNC, RecomputeRNG, TrackerSync
 from .records import CapturedGraph, GraphSpec, WarmupRecord
 from .resources import RESOURCES
-from .schedule import FORWARD, Step
+from .schedule import FORWARD, WGRAD, Step, with_wgrad_after_backward
+from .wgrad import WgradReplay, queued_work, run_backward_dw, wgrad_hooks_held
 from .warmup import fp8_context, grad_mode, warm_up
 
 __all__ = ["CaptureOptions", "Prepared", "prepare_graphs"]
@@ -61,6 +62,7 @@ class CaptureOptions:
     eager_replay: bool
     capture_error_mode: str = "thread_local"
     chain_grads: bool = False  # plain schedule: layer i reads layer i+1's input-grad buffer
+    has_order: bool = False  # an order (TE's _order) places the weight-gradient passes
     pre_warmup_hook: Optional[Callable[[], None]] = None
     post_warmup_hook: Optional[Callable[[], None]] = None
     fp8: Optional[FP8Options] = None  # Transformer Engine's FP8 arguments, normalised
@@ -112,6 +114,7 @@ def prepare_graphs(spec_sets: Sequence[Sequence[GraphSpec]], steps: Sequence[Ste
                 ]
                 if options.post_warmup_hook is not None:
                     options.post_warmup_hook()
+                steps = _place_wgrad(spec_sets[0], warmups[0], steps, options.has_order)
                 plans = [_plan(shape_specs, records, steps, options) for shape_specs, records in zip(spec_sets, warmups)]
                 if options.eager_replay:
                     return Prepared(warmups, plans, None)
@@ -119,7 +122,7 @@ def prepare_graphs(spec_sets: Sequence[Sequence[GraphSpec]], steps: Sequence[Ste
                 # reserved beside the pool for the life of the process (torch's own
                 # capture empties the cache too).
                 torch.cuda.empty_cache()
-                param_grads = _allocate_grad_buffers(spec_sets, home_stream, stream)
+                param_grads = _allocate_grad_buffers(spec_sets, warmups, home_stream, stream)
                 captured = [
                     _capture(*per_set, steps, options, stand_ins, home_stream, fp8)
                     for per_set in zip(spec_sets, warmups, plans, param_grads)
@@ -150,20 +153,61 @@ def _plan(specs: Sequence[GraphSpec], warmups: Sequence[WarmupRecord], steps, op
     return plan_capture(steps, layouts, reuse_buffers=options.reuse_buffers, chain_grads=options.chain_grads)
 
 
-def _allocate_grad_buffers(spec_sets, home_stream, side_stream) -> list[list[Optional[ParamGrads]]]:
+def _allocate_grad_buffers(spec_sets, warmup_sets, home_stream, side_stream) -> list[list[Optional[ParamGrads]]]:
     """The persistent parameter-gradient buffers, on the caller's stream: replays run there
     and eager code keeps its ``.grad``s there, so the side stream holds only transient
-    memory (and after warmup, so that warmup does not carry them as well)."""
+    memory (and after warmup, so that warmup does not carry them as well). Parameters whose
+    gradient only a weight-gradient pass sets (``wgrad``) get none: the backward graph does
+    not touch them."""
+
+    def backward_params(spec: GraphSpec, warmup: WarmupRecord) -> list:
+        split = warmup.wgrad.split_params if warmup.wgrad is not None else frozenset()
+        return [p for i, p in enumerate(spec.params) if i not in split]
+
     with torch.cuda.stream(home_stream):
-        grads = [
-            [
-                ParamGrads(spec.params, [RESOURCES.grad_buffer(p) for p in spec.params]) if spec.needs_backward else None
-                for spec in specs
-            ]
-            for specs in spec_sets
-        ]
+        grads = []
+        for specs, warmups in zip(spec_sets, warmup_sets):
+            per_set = []
+            for spec, warmup in zip(specs, warmups):
+                params = backward_params(spec, warmup) if spec.needs_backward else None
+                per_set.append(None if params is None else ParamGrads(params, [RESOURCES.grad_buffer(p) for p in params]))
+            grads.append(per_set)
     side_stream.wait_stream(home_stream)
     return grads
+
+
+def _place_wgrad(specs: Sequence[GraphSpec], warmups: Sequence[WarmupRecord], steps: Sequence[Step],
+                 has_order: bool) -> tuple[Step, ...]:
+    """The steps with each weight-gradient pass where it runs: where the order puts it, or,
+    without an order, right after its backward (TE's capture order). A graph whose modules
+    cannot split their weight gradients out has no such pass to give."""
+    placed = {step.flat_index for step in steps if step.kind == WGRAD}
+    needed = {i for i, w in enumerate(warmups) if w.wgrad is not None}
+    unsplit = sorted(placed - needed)
+    if unsplit and not specs[unsplit[0]].needs_backward:
+        raise ValueError(
+            f"make_graphed_callables: the order gives {specs[unsplit[0]].name} a weight-gradient "
+            "pass (-c-0.5), but it is graphed without a backward (no_grad, or nothing requires "
+            "grad); backward_dw() needs a training graph."
+        )
+    if unsplit:
+        index = unsplit[0]
+        raise NotImplementedError(
+            f"make_graphed_callables: the order gives {specs[index].name} a weight-gradient pass "
+            "(-c-0.5), but none of its modules delays its weight gradients: autograd computes "
+            "input and weight gradients in the same nodes of a plain module, so they cannot be "
+            "split. Only Transformer Engine modules built with delay_wgrad_compute=True split "
+            "them; use -c alone for this chunk."
+        )
+    missing = sorted(needed - placed)
+    if missing and has_order:
+        raise ValueError(
+            f"make_graphed_callables: {specs[missing[0]].name} holds Transformer Engine modules "
+            "built with delay_wgrad_compute=True, whose backward leaves the weight gradients to "
+            "backward_dw(), but the order gives it no weight-gradient pass; add -c-0.5 after "
+            "each backward -c of its chunk."
+        )
+    return with_wgrad_after_backward(steps, set(missing)) if missing else tuple(steps)
 
 
 def _unique_modules(specs: Sequence[GraphSpec]) -> dict[str, torch.nn.Module]:
@@ -200,8 +244,10 @@ def _capture(
     device = torch.device("cuda", torch.cuda.current_device())
     rngs = [RecomputeRNG.create(w.forward_draws, w.backward_draws, device) for w in warmups]
     mempool = options.pool if options.pool is not None else torch.cuda.graph_pool_handle()
+    wgrad_pool = torch.cuda.graph_pool_handle() if any(w.wgrad is not None for w in warmups) else None
     mode = options.capture_error_mode
     forwards: dict[int, _Forward] = {}
+    backwards: dict[int, tuple] = {}  # captured backwards waiting for their weight-gradient pass
     captured: dict[int, CapturedGraph] = {}
     for step in steps:
         index = step.flat_index
@@ -215,17 +261,25 @@ def _capture(
             continue
         if not spec.needs_backward:
             continue
+        if step.kind == WGRAD:
+            wgrad = _capture_wgrad(spec, warmup, param_grads[index], stand_ins, wgrad_pool, mode)
+            captured[index] = _record(*backwards.pop(index), wgrad=wgrad)
+            continue
         forward = forwards.pop(index)
         grad_outputs = _grad_output_buffers(forward.output, plan, captured, home_stream)
         graph, grad_inputs = _capture_backward(
             spec, forward, grad_outputs, param_grads[index], rngs[index], mempool, mode, stand_ins
         )
-        captured[index] = _record(spec, forward, graph, grad_outputs, grad_inputs, param_grads[index], rngs[index], warmup, plan, options)
+        parts = (spec, forward, graph, grad_outputs, grad_inputs, param_grads[index], rngs[index], warmup, plan, options)
+        if warmup.wgrad is not None:
+            backwards[index] = parts  # recorded with its weight-gradient pass
+        else:
+            captured[index] = _record(*parts)
     return [captured[i] for i in range(len(specs))]
 
 
 def _record(spec: GraphSpec, forward: _Forward, bwd_graph, grad_outputs, grad_inputs, param_grads, recompute: RecomputeRNG,
-            warmup: WarmupRecord, plan: GraphPlan, options: CaptureOptions) -> CapturedGraph:
+            warmup: WarmupRecord, plan: GraphPlan, options: CaptureOptions, wgrad: Optional[WgradReplay] = None) -> CapturedGraph:
     output = forward.output
     if plan.releases_buffers:
         # Hand the pool memory of the outputs and input grads back to the pool for later
@@ -251,6 +305,7 @@ def _record(spec: GraphSpec, forward: _Forward, bwd_graph, grad_outputs, grad_in
         lends_grad_buffer=plan.lends_grad_buffer,
         updated_inputs=warmup.updated,
         fp8=fp8_replay(spec.fp8, options.fp8, warmup.te_modules, spec.has_te, graphs=True),
+        wgrad=wgrad,
     )
 
 
@@ -307,7 +362,7 @@ def _capture_backward(spec: GraphSpec, forward: _Forward, grad_outputs: tuple, p
     differentiable = [o for o in forward.output.tensors if o.requires_grad]
     grads = [g for g in grad_outputs if g is not None]
     inputs = forward.static_inputs
-    stand = stand_ins(spec.params)
+    stand = stand_ins(param_grads.params)
     graph = torch.cuda.CUDAGraph()
     if spec.hooks is not None:
         spec.hooks.run("backward_pre_hooks", spec.func)
@@ -326,3 +381,27 @@ def _capture_backward(spec: GraphSpec, forward: _Forward, grad_outputs: tuple, p
     if spec.hooks is not None:
         spec.hooks.run("backward_hooks", spec.func)
     return graph, grad_inputs
+
+
+def _capture_wgrad(spec: GraphSpec, warmup: WarmupRecord, param_grads: ParamGrads, stand_ins: StandIns,
+                   mempool: Any, mode: str) -> WgradReplay:
+    """The weight-gradient pass (``wgrad``): each delaying module's ``backward_dw()``,
+    captured with the gradients it sets None and the others in their buffers (as at an
+    in-graph replay), into the weight-gradient passes' own pool; what it sets are the
+    graph's static outputs, and the work it reads stays alive with it."""
+    learned = warmup.wgrad
+    split = stand_ins(tuple(spec.params[i] for i in sorted(learned.split_params)))
+    reads = queued_work(learned.modules)
+    graph = torch.cuda.CUDAGraph()
+    with grads_redirected(split, stand_ins(param_grads.params), param_grads.buffers):
+        with wgrad_hooks_held(learned.modules), _capturing(graph, mempool, (), mode):
+            for module in learned.modules:
+                run_backward_dw(module)
+        stand = stand_ins(spec.params)
+        outputs = tuple(tuple(stand[i].grad for i, _ in per_module) for per_module in learned.sets)
+    if any(out is None for per_module in outputs for out in per_module):
+        raise RuntimeError(
+            f"make_graphed_callables: backward_dw() of {spec.name} set no gradient of a parameter "
+            "during capture that it set during warmup; its weight-gradient pass cannot be graphed."
+        )
+    return WgradReplay(spec.name, learned, spec.params, graph, outputs, reads)

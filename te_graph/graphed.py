@@ -83,6 +83,17 @@ class GraphedCallable:
             )
         return self._eager(*args, **kwargs)
 
+    def backward_dw(self) -> None:
+        """Transformer Engine's ``backward_dw()``: the weight-gradient pass of this callable's
+        oldest backward still waiting for it, for modules built with
+        ``delay_wgrad_compute=True`` (``wgrad``); nothing for other callables, as in TE."""
+        if self._reset:
+            raise RuntimeError(f"{self.__name__}: backward_dw() after reset(), which freed its graphs.")
+        runners = list(self._runners.values())
+        queue = runners[0].wgrad_queue
+        head = queue.waiting[0] if queue is not None and queue.waiting else None
+        (head if any(r is head for r in runners) else runners[0]).backward_dw()
+
     def reset(self) -> None:
         """Free this callable's graphs and static buffers; later calls raise (TE's reset())."""
         for runner in self._runners.values():
@@ -97,10 +108,12 @@ class GraphedCallable:
 
 def install_on_module(module: torch.nn.Module, graphed: GraphedCallable) -> None:
     """Replace ``module.forward`` with the graphed callable (it keeps the original reachable
-    as ``module.forward.__wrapped__`` and runs it in the other training mode), and give the
-    module TE's ``reset()`` where it has no attribute of that name."""
+    as ``module.forward.__wrapped__`` and runs it in the other training mode), ``backward_dw``
+    with the graphed one (as TE does: a TE module's own would find no queued work), and give
+    the module TE's ``reset()`` where it has no attribute of that name."""
     graphed.__wrapped__ = module.forward  # type: ignore[attr-defined]
     module.forward = graphed
+    module.backward_dw = graphed.backward_dw
     if not hasattr(module, "reset"):
         module.reset = graphed.reset
 

@@ -38,7 +38,7 @@ class GraphOptions:
 
     num_warmup_iters: int = 3
     allow_unused_input: bool = False
-    order: Optional[tuple[int, ...]] = None
+    order: Optional[tuple[float, ...]] = None  # ints; -c-0.5 for a weight-gradient pass
     num_layers_per_chunk: Any = None
     pool: Any = None  # as given; api resolves it to a handle
     retain_graph_in_backward: bool = False
@@ -109,16 +109,6 @@ def _check(options: GraphOptions) -> None:
         )
     if options.unseen_shape not in ("error", "eager"):
         raise ValueError(f"make_graphed_callables: unseen_shape={options.unseen_shape!r}; use 'error' or 'eager'.")
-    if options.order is not None and any(
-        not isinstance(c, bool) and isinstance(c, float) and not float(c).is_integer() for c in options.order
-    ):
-        raise NotImplementedError(
-            "make_graphed_callables: order holds fractional entries (Transformer Engine's "
-            "wgrad-split schedule, -c-0.5 with backward_dw()). Splitting a plain module's "
-            "weight-gradient work out of its backward is not supported: autograd computes "
-            "input and weight gradients in the same nodes. Use the integer order (each "
-            "backward then includes its weight gradients)."
-        )
     if options.reuse_graph_input_output_buffers and options.order is None:
         raise ValueError(
             "make_graphed_callables: reuse_graph_input_output_buffers=True needs order=... "

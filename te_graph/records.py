@@ -19,6 +19,7 @@ from .hooks import CaptureTimeHooks
 from .te_support import te_modules_in
 from .layout import InputLayout, OutputLayout
 from .recompute_rng import StreamUse
+from .wgrad import DelayedWgrad
 
 __all__ = ["GraphSpec", "make_spec", "WarmupRecord", "CapturedGraph"]
 
@@ -88,6 +89,7 @@ class WarmupRecord:
     te_modules: tuple = ()  # the Transformer Engine modules its forward runs
     forward_draws: Optional[StreamUse] = None  # last pass, graphs only: streams drawn from
     backward_draws: Optional[StreamUse] = None
+    wgrad: Optional[DelayedWgrad] = None  # TE modules that delay their weight gradients
 
 
 @dataclass(frozen=True)
@@ -107,3 +109,4 @@ class CapturedGraph:
     lends_grad_buffer: bool  # its input-grad buffer is another graph's grad-output buffer
     updated_inputs: tuple[int, ...] = ()  # inputs the forward updates in place
     fp8: Any = None  # te_support.fp8_replay(): Transformer Engine's FP8 bookkeeping around replays
+    wgrad: Any = None  # wgrad.WgradReplay: the weight-gradient pass, replayed by backward_dw()

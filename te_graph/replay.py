@@ -27,6 +27,7 @@ from . import compat
 from .te_support import accepts_is_first_microbatch
 from .grads import grads_redirected
 from .records import CapturedGraph, GraphSpec, WarmupRecord
+from .wgrad import WgradQueue, run_backward_dw
 
 __all__ = ["ReplayOptions", "Clock", "NO_CLOCK", "Runner", "GraphRunner", "EagerRunner", "run", "shapes_text"]
 
@@ -108,8 +109,11 @@ class Runner:
     output: Any
     non_differentiable: tuple[int, ...] = ()
 
-    def __init__(self, spec: GraphSpec, clock: Any, variant: int, updated: tuple[int, ...]):
+    def __init__(self, spec: GraphSpec, clock: Any, variant: int, updated: tuple[int, ...],
+                 wgrad_queue: Optional[WgradQueue] = None):
         self.name = spec.name
+        # Its callable's queue of weight-gradient passes (``wgrad``); None where it has none.
+        self.wgrad_queue = wgrad_queue
         self.updated = updated  # inputs the forward updates in place (warmup found them)
         self.variant = variant
         self.layout = spec.layout
@@ -124,6 +128,16 @@ class Runner:
         self.anchor = (torch.empty(0, device=device, requires_grad=True),) if self.params else ()
         self.clock = clock
         self.generation = 0
+
+    def backward_dw(self) -> None:
+        """TE's ``backward_dw()``: the weight-gradient pass of this graph's last backward
+        (nothing where its modules do not delay their weight gradients, as in TE)."""
+        if self.wgrad_queue is not None:
+            self.wgrad_queue.take(self)
+            self._run_wgrad()
+
+    def _run_wgrad(self) -> None:
+        raise NotImplementedError
 
     def _copy_inputs(self, inputs: tuple[torch.Tensor, ...]) -> None:
         """Each input into its static buffer, unless it lies there already (``_copy_in``)."""
@@ -171,9 +185,12 @@ class Runner:
 class GraphRunner(Runner):
     """Replays a captured forward/backward graph pair on its static buffers."""
 
-    def __init__(self, spec: GraphSpec, graph: CapturedGraph, options: ReplayOptions, clock: Any = NO_CLOCK, variant: int = 0):
-        super().__init__(spec, clock, variant, graph.updated_inputs)
+    def __init__(self, spec: GraphSpec, graph: CapturedGraph, options: ReplayOptions, clock: Any = NO_CLOCK, variant: int = 0,
+                 wgrad_queue: Optional[WgradQueue] = None):
+        super().__init__(spec, clock, variant, graph.updated_inputs, wgrad_queue if graph.wgrad is not None else None)
         self.graph = graph
+        if graph.param_grads is not None:
+            self.params = graph.param_grads.params  # less those only the weight-gradient pass sets
         self.static_inputs = graph.static_inputs
         self.input_slots = tuple(map(_Slot, graph.static_inputs))
         self.grad_output_slots = tuple(None if g is None else _Slot(g) for g in graph.static_grad_outputs)
@@ -185,7 +202,9 @@ class GraphRunner(Runner):
 
     def through_autograd(self) -> bool:
         """Whether this call's parameter grads must go through autograd (see ``grads``)."""
-        return self.always_autograd or compat.ddp_forward_active() or self.graph.param_grads.observed()
+        return bool(self.params) and (
+            self.always_autograd or compat.ddp_forward_active() or self.graph.param_grads.observed()
+        )
 
     def _grad_copied(self, t: torch.Tensor, buffer: Optional[torch.Tensor]) -> bool:
         """Whether the grad of input ``t`` leaves the backward as a copy of its static buffer.
@@ -213,6 +232,8 @@ class GraphRunner(Runner):
     def forward(self, inputs: tuple[torch.Tensor, ...], through_autograd: bool, with_backward: bool = True,
                 is_first_microbatch: Any = None) -> tuple[Invocation, tuple]:
         graph = self.graph
+        if self.wgrad_queue is not None:
+            self.wgrad_queue.check_free(self, "forward")
         fp8_first = graph.fp8.before_forward(self.name, is_first_microbatch)
         self._copy_inputs(inputs)
         copy_grads = tuple(map(self._grad_copied, inputs, graph.static_grad_inputs)) if with_backward else ()
@@ -229,6 +250,8 @@ class GraphRunner(Runner):
 
     def backward(self, invocation: Invocation, grads: tuple) -> tuple:
         self._check_fresh(invocation)
+        if self.wgrad_queue is not None:
+            self.wgrad_queue.backward(self)
         graph = self.graph
         for slot, g in zip(self.grad_output_slots, grads):
             if slot is None:
@@ -257,12 +280,18 @@ class GraphRunner(Runner):
             return input_grads + graph.param_grads.for_autograd(self.clone_param_grads)
         return input_grads + (None,) * len(self.anchor)
 
+    def _run_wgrad(self) -> None:
+        self.graph.wgrad.run()
+
     def reset(self) -> None:
         """Free the graphs and drop the static buffers (their pool memory goes back)."""
         for captured in (self.graph.fwd_graph, self.graph.bwd_graph):
             if captured is not None and hasattr(captured, "reset"):
                 captured.reset()
+        if self.graph.wgrad is not None:
+            self.graph.wgrad.reset()
         self.graph = None
+        self.wgrad_queue = None
         self.static_inputs = self.static_outputs = ()
         self.input_slots = self.grad_output_slots = ()
         self.output = None
@@ -271,8 +300,10 @@ class GraphRunner(Runner):
 class EagerRunner(Runner):
     """Same wrapper, no graphs: runs the callable on the static buffers at every call."""
 
-    def __init__(self, spec: GraphSpec, warmup: WarmupRecord, fp8: Any, clock: Any = NO_CLOCK, variant: int = 0):
-        super().__init__(spec, clock, variant, warmup.updated)
+    def __init__(self, spec: GraphSpec, warmup: WarmupRecord, fp8: Any, clock: Any = NO_CLOCK, variant: int = 0,
+                 wgrad_queue: Optional[WgradQueue] = None):
+        super().__init__(spec, clock, variant, warmup.updated, wgrad_queue if warmup.wgrad is not None else None)
+        self.wgrad_modules = warmup.wgrad.modules if warmup.wgrad is not None else ()
         self.spec = spec
         self.fp8 = fp8  # the checks an FP8 graph's calls get (te_support.fp8_replay)
         self.takes_first_microbatch = accepts_is_first_microbatch(spec.call)
@@ -286,6 +317,8 @@ class EagerRunner(Runner):
     def forward(self, inputs: tuple[torch.Tensor, ...], through_autograd: bool, with_backward: bool = True,
                 is_first_microbatch: Any = None) -> tuple[Invocation, tuple]:
         spec = self.spec
+        if self.wgrad_queue is not None:
+            self.wgrad_queue.check_free(self, "forward")
         self.fp8.before_forward(self.name, is_first_microbatch)
         self._copy_inputs(inputs)
         tick = self.clock.forward(self.variant, self.shape)
@@ -302,6 +335,8 @@ class EagerRunner(Runner):
 
     def backward(self, invocation: Invocation, grads: tuple) -> tuple:
         self._check_fresh(invocation)
+        if self.wgrad_queue is not None:
+            self.wgrad_queue.backward(self)
         pairs = [(o, g) for o, g in zip(invocation.outputs, grads) if o.requires_grad]
         with grads_redirected(self.spec.grad_inputs):
             if pairs:
@@ -312,10 +347,15 @@ class EagerRunner(Runner):
                 )
             return tuple(t.grad for t in self.static_inputs) + (None,) * len(self.anchor)
 
+    def _run_wgrad(self) -> None:
+        for module in self.wgrad_modules:
+            run_backward_dw(module)  # the module's own: its queue holds this backward's work
+
     def reset(self) -> None:
         self.spec = None
         self.static_inputs = self.input_slots = ()
         self.output = None
+        self.wgrad_queue = None
 
 
 class _Slot:

@@ -23,9 +23,16 @@ Layout (the same as TE's, so callers written for TE index results unchanged):
   next microbatch (all of its layers, first to last), ``c < 0`` the backward of chunk
   ``-c`` for its next microbatch (its layers last to first). Backwards of a chunk take
   microbatches in the same order as its forwards did.
+* ``-c - 0.5`` (TE's wgrad-split schedule) runs the weight-gradient pass of chunk ``c``
+  (``backward_dw()``) for the oldest microbatch whose backward ran without it. As in TE,
+  such an order needs ``num_layers_per_chunk`` with one layer per chunk. Without an order,
+  a graph whose modules delay their weight gradients gets that pass right after its
+  backward (:func:`with_wgrad_after_backward`).
 """
 from __future__ import annotations
 
+import math
+import numbers
 import operator
 from collections import defaultdict, deque
 from dataclasses import dataclass
@@ -36,6 +43,8 @@ from typing import (
 __all__ = [
     "FORWARD",
     "BACKWARD",
+    "WGRAD",
+    "with_wgrad_after_backward",
     "GraphSlot",
     "Step",
     "Schedule",
@@ -44,9 +53,10 @@ __all__ = [
     "resolve_buffer_owners",
 ]
 
-StepKind = Literal["forward", "backward"]
+StepKind = Literal["forward", "backward", "wgrad"]
 FORWARD: StepKind = "forward"
 BACKWARD: StepKind = "backward"
+WGRAD: StepKind = "wgrad"  # the weight-gradient pass a backward left out (backward_dw())
 
 
 @dataclass(frozen=True)
@@ -62,7 +72,8 @@ class GraphSlot:
 
 @dataclass(frozen=True)
 class Step:
-    """Run (warm up, capture) the forward or the backward of graph ``flat_index``."""
+    """Run (warm up, capture) the forward, the backward or the weight-gradient pass of
+    graph ``flat_index``."""
 
     kind: StepKind
     flat_index: int
@@ -73,7 +84,8 @@ class Schedule:
     """What to capture and in which sequence.
 
     ``graphs[i].flat_index == i``; ``steps`` holds every graph's forward once and its
-    backward once, each backward after its forward.
+    backward once, each backward after its forward, and, where the order splits weight
+    gradients out, its weight-gradient pass once, after its backward.
     """
 
     num_chunks: int
@@ -123,13 +135,27 @@ def plan_schedule(
     _check_count("num_sample_args", num_sample_args, minimum=0)
     if order is None:
         return _plan_without_order(num_callables, num_sample_args, num_layers_per_chunk)
-    order = _as_int_list(order, "order")
-    num_chunks, num_microbatches = _validate_order(order)
+    entries = _as_order_entries(order)
+    integers = [c for c in entries if isinstance(c, int)]
+    num_chunks, num_microbatches = _validate_order(integers)
+    if len(integers) < len(entries):
+        _check_wgrad_entries(entries, num_chunks, num_microbatches, num_layers_per_chunk)
     layers = _resolve_layers_per_chunk(num_layers_per_chunk, num_chunks, num_callables)
     _check_sample_count(num_sample_args, num_microbatches, layers)
     graphs = _graph_slots(layers, num_microbatches)
-    steps = _steps_from_order(order, layers, num_microbatches)
+    steps = _steps_from_order(entries, layers, num_microbatches)
     return Schedule(num_chunks, num_microbatches, layers, graphs, steps, has_order=True)
+
+
+def with_wgrad_after_backward(steps: Sequence[Step], graphs: Set[int]) -> Tuple[Step, ...]:
+    """``steps`` with the weight-gradient pass of each graph in ``graphs`` right after its
+    backward (where TE captures it without an order)."""
+    out: List[Step] = []
+    for step in steps:
+        out.append(step)
+        if step.kind == BACKWARD and step.flat_index in graphs:
+            out.append(Step(WGRAD, step.flat_index))
+    return tuple(out)
 
 
 def _plan_without_order(
@@ -159,6 +185,89 @@ def _plan_without_order(
         Step(BACKWARD, i) for i in reversed(range(num_callables))
     )
     return Schedule(1, 1, layers, graphs, steps, has_order=False)
+
+
+# A weight-gradient entry: chunk c's is -c - 0.5, kept as this marker with its chunk.
+@dataclass(frozen=True)
+class _Wgrad:
+    chunk: int  # 1-based
+
+
+def _as_order_entries(order: Sequence[object]) -> List[Union[int, _Wgrad]]:
+    """Ints, and TE's weight-gradient entries ``-c - 0.5`` (floats equal to ints count as
+    ints, as in TE)."""
+    entries: List[Union[int, _Wgrad]] = []
+    for position, value in enumerate(order):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or isinstance(value, numbers.Integral):
+            entries.append(_as_int(value, "order"))  # refuses bools and non-numbers
+            continue
+        number = float(value)
+        if number.is_integer():
+            entries.append(int(number))
+            continue
+        if number > 0:
+            raise ValueError(
+                f"order[{position}] = {value!r}: only backward entries split; the weight-"
+                f"gradient pass of chunk c is -c-0.5 (after its backward -c). Forwards are "
+                f"positive ints."
+            )
+        if number - math.floor(number) != 0.5:
+            raise ValueError(
+                f"order[{position}] = {value!r}: the weight-gradient pass of chunk c is "
+                f"-c-0.5 (0.5 below its backward -c, as in TE), got {value!r}."
+            )
+        chunk = -math.ceil(number)
+        if chunk < 1:
+            raise ValueError(
+                f"order[{position}] = {value!r}: chunk ids are 1-based, so the weight-"
+                f"gradient passes are -1.5, -2.5, ...; {value!r} names no chunk."
+            )
+        entries.append(_Wgrad(chunk))
+    return entries
+
+
+def _check_wgrad_entries(entries: List[Union[int, _Wgrad]], num_chunks: int, num_microbatches: int,
+                         num_layers_per_chunk: Optional[Union[int, Sequence[int]]]) -> None:
+    """TE's rules for a wgrad-split order: one layer per chunk, each -c-0.5 after a
+    backward of chunk c still waiting for it, and every backward of such a chunk gets one."""
+    if num_layers_per_chunk is None:
+        raise ValueError(
+            "order holds weight-gradient entries (-c-0.5), which need num_layers_per_chunk "
+            "(TE's _num_layers_per_chunk) with one layer per chunk; pass it."
+        )
+    layers = _as_layer_list(num_layers_per_chunk, num_chunks)
+    if any(n != 1 for n in layers):
+        raise ValueError(
+            f"order holds weight-gradient entries (-c-0.5), so each chunk must hold exactly one "
+            f"layer (as in TE), but num_layers_per_chunk={list(layers)}. Make each layer its "
+            f"own chunk."
+        )
+    waiting: Dict[int, int] = defaultdict(int)
+    passes: Dict[int, int] = defaultdict(int)
+    for position, entry in enumerate(entries):
+        if isinstance(entry, _Wgrad):
+            if entry.chunk > num_chunks:
+                raise ValueError(
+                    f"order[{position}] = {-entry.chunk - 0.5}: chunk {entry.chunk} does not "
+                    f"exist (the order has {num_chunks} chunk(s))."
+                )
+            if waiting[entry.chunk] == 0:
+                raise ValueError(
+                    f"order[{position}] = {-entry.chunk - 0.5} runs the weight-gradient pass of "
+                    f"chunk {entry.chunk} before a backward of it (-{entry.chunk}) that waits "
+                    f"for one; put it after that backward."
+                )
+            waiting[entry.chunk] -= 1
+            passes[entry.chunk] += 1
+        elif entry < 0:
+            waiting[-entry] += 1
+    for chunk in range(1, num_chunks + 1):
+        if passes[chunk] not in (0, num_microbatches):
+            raise ValueError(
+                f"order runs chunk {chunk}'s backward {num_microbatches} time(s) but its "
+                f"weight-gradient pass (-{chunk}.5) {passes[chunk]} time(s); give every backward "
+                f"of a chunk with delayed weight gradients its own -{chunk}.5 entry."
+            )
 
 
 def _validate_order(order: List[int]) -> Tuple[int, int]:
@@ -311,14 +420,20 @@ def _graph_slots(layers: Tuple[int, ...], num_microbatches: int) -> Tuple[GraphS
 
 
 def _steps_from_order(
-    order: List[int], layers: Tuple[int, ...], num_microbatches: int
+    order: List[Union[int, _Wgrad]], layers: Tuple[int, ...], num_microbatches: int
 ) -> Tuple[Step, ...]:
-    """Expand chunk-level ``order`` into per-layer forward/backward steps."""
+    """Expand chunk-level ``order`` into per-layer forward/backward/weight-gradient steps."""
     prefix = _prefix_sums(layers)
     next_fwd = [0] * len(layers)
     next_bwd = [0] * len(layers)
+    next_wgrad = [0] * len(layers)
     steps: List[Step] = []
     for c in order:
+        if isinstance(c, _Wgrad):  # one layer per chunk (checked): the oldest waiting microbatch
+            chunk = c.chunk - 1
+            mb, next_wgrad[chunk] = next_wgrad[chunk], next_wgrad[chunk] + 1
+            steps.append(Step(WGRAD, _flat_index(prefix, layers, num_microbatches, chunk, mb, 0)))
+            continue
         chunk = abs(c) - 1
         if c > 0:
             mb, next_fwd[chunk] = next_fwd[chunk], next_fwd[chunk] + 1
@@ -343,7 +458,7 @@ def plan_buffer_reuse(
     """For each graph, the earlier graph whose static buffers its forward takes over.
 
     A graph's static input, output and grad buffers become free once its backward step has
-    run (been captured); a later forward, in step order, whose ``signatures[flat_index]``
+    run (been captured), or its weight-gradient step where it has one; a later forward, in step order, whose ``signatures[flat_index]``
     equals the freed graph's takes them over, oldest freed first (FIFO per signature).
     A graph that took over buffers passes them on again once its own backward has run,
     so the returned donor is the *immediate* previous holder; see
@@ -364,6 +479,9 @@ def plan_buffer_reuse(
     free: Dict[Hashable, Deque[int]] = defaultdict(deque)
     donors: Dict[int, Optional[int]] = {}
     released: Set[int] = set()
+    # A graph with a weight-gradient pass frees its buffers only after it: that pass reads
+    # the input and the output grad the backward saw.
+    split = {step.flat_index for step in steps if step.kind == WGRAD}
     for position, step in enumerate(steps):
         key = _signature(signatures, step.flat_index)
         if step.kind == FORWARD:
@@ -379,10 +497,16 @@ def plan_buffer_reuse(
                 raise ValueError(f"steps[{position}] runs a backward of graph {step.flat_index} "
                                  f"without a pending forward of it; use plan_schedule(...).steps.")
             released.add(step.flat_index)
+            if step.flat_index not in split:
+                free[key].append(step.flat_index)
+        elif step.kind == WGRAD:
+            if step.flat_index not in released:
+                raise ValueError(f"steps[{position}] runs the weight-gradient pass of graph "
+                                 f"{step.flat_index} before its backward; use plan_schedule(...).steps.")
             free[key].append(step.flat_index)
         else:
             raise ValueError(
-                f"steps[{position}].kind is {step.kind!r}; expected {FORWARD!r} or {BACKWARD!r}."
+                f"steps[{position}].kind is {step.kind!r}; expected {FORWARD!r}, {BACKWARD!r} or {WGRAD!r}."
             )
     return dict(sorted(donors.items()))
 

@@ -29,6 +29,7 @@ from .parameters import ForeignLeaves, StandIns
 from .recompute_rng import BackwardDraws, ForwardDraws, StreamUse
 from .records import GraphSpec, WarmupRecord
 from .schedule import FORWARD, Step
+from .wgrad import DelayedWgrad, delayed_wgrad_modules, learn_wgrad
 
 __all__ = ["warm_up", "grad_mode", "fp8_context", "differentiable"]
 
@@ -52,6 +53,7 @@ def warm_up(
     unused_seen: dict[int, tuple[int, ...]] = {}
     updated_seen: dict[int, tuple[int, ...]] = {}
     te_seen: dict[int, tuple] = {}
+    wgrad_seen: dict[int, DelayedWgrad] = {}
     draws: dict[int, tuple[Optional[StreamUse], Optional[StreamUse]]] = {}
     for iteration in range(num_iters):
         first, last = iteration == 0, iteration == num_iters - 1
@@ -73,7 +75,11 @@ def warm_up(
                     updated_seen[index] = _check_updated(spec, inputs.close())
                 backward_use = None
                 if spec.needs_backward:
-                    unused, backward_use = _backward(spec, stand_ins, outputs, watch, tracker)
+                    delayed = delayed_wgrad_modules(te_seen.get(index, ()))
+                    unused, backward_use, learned = _backward(spec, stand_ins, outputs, watch, tracker, delayed,
+                                                              wgrad_seen.get(index))
+                    if learned is not None:
+                        wgrad_seen[index] = learned
                     if leaves is not None:
                         leaves.check_backward()
                     if first:
@@ -86,7 +92,7 @@ def warm_up(
         WarmupRecord(
             output=outputs_seen[i], unused=unused_seen.get(i, ()), updated=updated_seen[i],
             te_modules=te_seen.get(i, ()), forward_draws=draws.get(i, (None, None))[0],
-            backward_draws=draws.get(i, (None, None))[1],
+            backward_draws=draws.get(i, (None, None))[1], wgrad=wgrad_seen.get(i),
         )
         for i in range(len(specs))
     ]
@@ -138,7 +144,9 @@ class _WarmupRegions:
             self.leaves.recomputed(outputs, inputs)
 
 
-def _backward(spec: GraphSpec, stand_ins: StandIns, outputs: Any, device, tracker) -> tuple[tuple[int, ...], Optional[StreamUse]]:
+def _backward(spec: GraphSpec, stand_ins: StandIns, outputs: Any, device, tracker, delayed: tuple,
+              known: Optional[DelayedWgrad]) -> tuple[tuple[int, ...], Optional[StreamUse], Optional[DelayedWgrad]]:
+    """The backward, and the weight-gradient pass of modules that delay it (``wgrad``)."""
     out = differentiable(outputs)
     grads = [torch.zeros_like(o) for o in out]
     draws = BackwardDraws(rng.live_stream_generators(tracker, device)) if device is not None else None
@@ -151,9 +159,11 @@ def _backward(spec: GraphSpec, stand_ins: StandIns, outputs: Any, device, tracke
         unused = tuple(i for i, t in enumerate(spec.static_inputs) if t.requires_grad and t.grad is None)
     if spec.hooks is not None:
         spec.hooks.run("backward_hooks", spec.func)
-    for p in stand_ins(spec.params):
+    stand = stand_ins(spec.params)
+    learned = learn_wgrad(delayed, spec.params, stand, known) if delayed else None
+    for p in stand:
         p.grad = None  # throwaway: the next pass starts clean
-    return unused, draws.close() if draws is not None else None
+    return unused, draws.close() if draws is not None else None, learned
 
 
 def _check_updated(spec: GraphSpec, updated: tuple[int, ...]) -> tuple[int, ...]:

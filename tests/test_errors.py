@@ -397,10 +397,24 @@ def test_double_backward_is_refused():
         torch.autograd.grad(y.square().sum(), x, create_graph=True)
 
 
-def test_wgrad_split_order_is_not_implemented():
+def test_a_wgrad_split_order_for_a_plain_module_is_not_implemented():
     a = Lin()
-    _refused(NotImplementedError, re.escape("order holds fractional entries (Transformer Engine's wgrad-split schedule, -c-0.5 with backward_dw())") + ".*" + re.escape("Use the integer order"),
+    _refused(NotImplementedError, re.escape("the order gives callable 0 (Lin), microbatch 0 a weight-gradient pass (-c-0.5), but none of its modules delays its weight gradients: autograd computes input and weight gradients in the same nodes of a plain module"),
              lambda: make_graphed_callables((a,), (X1,), _order=[1, -1, -1.5], _num_layers_per_chunk=[1], eager_replay=True), a)
+
+
+@pytest.mark.parametrize("order, layers, message", [
+    ([1, -1.5, -1], [1], "order[1] = -1.5 runs the weight-gradient pass of chunk 1 before a backward of it (-1) that waits for one; put it after that backward."),
+    ([1, -1, -1.5], None, "order holds weight-gradient entries (-c-0.5), which need num_layers_per_chunk (TE's _num_layers_per_chunk) with one layer per chunk; pass it."),
+    ([1, -1, 1.5], [1], "order[2] = 1.5: only backward entries split; the weight-gradient pass of chunk c is -c-0.5 (after its backward -c). Forwards are positive ints."),
+    ([1, -1, -1.25], [1], "order[2] = -1.25: the weight-gradient pass of chunk c is -c-0.5 (0.5 below its backward -c, as in TE), got -1.25."),
+    ([1, 1, -1, -1.5, -1], [1], "order runs chunk 1's backward 2 time(s) but its weight-gradient pass (-1.5) 1 time(s); give every backward of a chunk with delayed weight gradients its own -1.5 entry."),
+])
+def test_bad_wgrad_split_orders_get_te_s_checks(order, layers, message):
+    a = Lin()
+    samples = tuple((_x(),) for _ in range(sum(1 for c in order if c > 0)))
+    _refused(ValueError, re.escape(message),
+             lambda: make_graphed_callables((a,), samples, _order=order, _num_layers_per_chunk=layers, eager_replay=True), a)
 
 
 def test_bad_capture_time_hooks():

@@ -9,10 +9,12 @@ import pytest
 from te_graph.schedule import (
     BACKWARD,
     FORWARD,
+    WGRAD,
     GraphSlot,
     Schedule,
     Step,
     plan_buffer_reuse,
+    with_wgrad_after_backward,
     plan_schedule,
     resolve_buffer_owners,
 )
@@ -167,10 +169,42 @@ def test_no_order_mismatches_raise() -> None:
         plan_schedule(0, 0)
 
 
-@pytest.mark.parametrize("order", [[1.0, -1.0], [True, -1], ["1", "-1"]])
+@pytest.mark.parametrize("order", [[True, -1], ["1", "-1"]])
 def test_non_int_order_entries_raise_type_error(order) -> None:
     with pytest.raises(TypeError, match=r"order must hold ints"):
         plan_schedule(1, 1, order=order)
+
+
+def test_floats_equal_to_ints_are_ints_as_in_te() -> None:
+    assert plan_schedule(1, 1, order=[1.0, -1.0]).steps == plan_schedule(1, 1, order=[1, -1]).steps
+
+
+# -------------------------------------------------------- weight-gradient passes (-c-0.5)
+
+
+def test_wgrad_entries_take_the_oldest_backward_of_their_chunk() -> None:
+    order = [1, 2, 1, -2, -2.5, 2, -1, -2, -1, -1.5, -1.5, -2.5]
+    steps = plan_schedule(2, 4, order=order, num_layers_per_chunk=[1, 1]).steps
+    assert [(s.kind, s.flat_index) for s in steps] == [
+        (FORWARD, 0), (FORWARD, 2), (FORWARD, 1), (BACKWARD, 2), (WGRAD, 2), (FORWARD, 3),
+        (BACKWARD, 0), (BACKWARD, 3), (BACKWARD, 1), (WGRAD, 0), (WGRAD, 1), (WGRAD, 3),
+    ]
+
+
+def test_without_an_order_the_wgrad_pass_follows_its_backward() -> None:
+    steps = plan_schedule(3, 3).steps
+    placed = with_wgrad_after_backward(steps, {0, 2})
+    assert [(s.kind, s.flat_index) for s in placed] == [
+        (FORWARD, 0), (FORWARD, 1), (FORWARD, 2), (BACKWARD, 2), (WGRAD, 2), (BACKWARD, 1),
+        (BACKWARD, 0), (WGRAD, 0),
+    ]
+
+
+def test_reuse_frees_a_split_graph_after_its_wgrad_pass() -> None:
+    steps = [Step(FORWARD, 0), Step(BACKWARD, 0), Step(FORWARD, 1), Step(WGRAD, 0), Step(FORWARD, 2)]
+    assert plan_buffer_reuse(steps, ["s"] * 3) == {0: None, 1: None, 2: 0}
+    with pytest.raises(ValueError, match=r"weight-gradient pass of graph 0 before its backward"):
+        plan_buffer_reuse([Step(FORWARD, 0), Step(WGRAD, 0)], ["s"])
 
 
 # ------------------------------------------------------------------------ buffer reuse

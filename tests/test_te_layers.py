@@ -294,12 +294,18 @@ def _skip_unsupported(setup: TESetup) -> None:
         pytest.skip(f"{setup.recipe} scaling does not run here: {error}")
 
 
+def assert_graphs_and_eager_replay_equal_eager(run) -> None:
+    """The differential check: ``run(mode)`` through graphs and through eager replay, each
+    bitwise against ``run("eager")``."""
+    want = run("eager")
+    assert_same(run("graphs"), want, "graphs")
+    assert_same(run("eager_replay"), want, "eager replay")
+
+
 @pytest.mark.parametrize("setup", SETUPS, ids=str)
 def test_te_graphs_and_eager_replay_equal_eager_te(setup):
     _skip_unsupported(setup)
-    want = train(setup, "eager")
-    assert_same(train(setup, "graphs"), want, "graphs")
-    assert_same(train(setup, "eager_replay"), want, "eager replay")
+    assert_graphs_and_eager_replay_equal_eager(lambda mode: train(setup, mode))
 
 
 # -- refused before anything changes ---------------------------------------------------------
@@ -370,3 +376,231 @@ def test_our_checkpoint_recomputes_fp8_as_transformer_engines_does(recipe_name):
     ours = train(TESetup("ours", recipe=recipe_name, recompute="ours"), "eager")
     theirs = train(TESetup("theirs", recipe=recipe_name, recompute="te"), "eager")
     assert_same(ours, theirs, "checkpointing.checkpoint against te.distributed.checkpoint")
+
+
+# -- split weight gradients: delay_wgrad_compute=True, backward_dw() -------------------------
+class DropoutBlock(nn.Module):
+    """te.LayerNormLinear, then dropout drawn from TE's tracker (exact masks on recompute)."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        self.linear = te().LayerNormLinear(H, H, params_dtype=dtype, delay_wgrad_compute=True)
+
+    def forward(self, x):
+        h = self.linear(x)
+        with tracker().fork():
+            return torch.nn.functional.dropout(h, 0.1, self.training)
+
+    def backward_dw(self):  # what a caller of an eager block calls
+        self.linear.backward_dw()
+
+
+class DelayedGrouped(Grouped):
+    def __init__(self, dtype):
+        nn.Module.__init__(self)
+        self.linear = te().GroupedLinear(2, H, H, params_dtype=dtype, delay_wgrad_compute=True)
+
+    def backward_dw(self):
+        self.linear.backward_dw()
+
+
+class RecomputedBlock(Recomputed):
+    def backward_dw(self):
+        self.layer.backward_dw()
+
+
+def build_delayed(kind: str, dtype: torch.dtype) -> nn.Module:
+    t = te()
+    if kind == "linear":
+        return t.Linear(H, H, params_dtype=dtype, delay_wgrad_compute=True)
+    if kind == "layernorm_linear":
+        return t.LayerNormLinear(H, H, params_dtype=dtype, delay_wgrad_compute=True)
+    if kind == "layernorm_mlp":
+        return t.LayerNormMLP(H, FFN, params_dtype=dtype, delay_wgrad_compute=True)
+    if kind == "grouped_linear":
+        return DelayedGrouped(dtype)
+    assert kind == "dropout_block", kind
+    return DropoutBlock(dtype)
+
+
+# Pipeline rank 0 of 2, interleaved 1F1B over 2 chunks x 4 microbatches (one layer per chunk).
+INTERLEAVED_1F1B = [1, 1, 2, 2, 1, -2, 1, -2, 2, -1, 2, -1, -2, -2, -1, -1]
+
+
+def wgrad_order(placement: str) -> list:
+    """Each backward's -c-0.5 right after it ("after"), or all at the end ("deferred")."""
+    if placement == "after":
+        return [e for c in INTERLEAVED_1F1B for e in ([c, c - 0.5] if c < 0 else [c])]
+    return INTERLEAVED_1F1B + [-1.5] * 4 + [-2.5] * 4
+
+
+@dataclass(frozen=True)
+class WgradSetup:
+    id: str
+    module: str = "linear"
+    recipe: Optional[str] = None
+    placement: str = "after"  # "after", "deferred", or "no-order" (two layers, plain schedule)
+    reuse: bool = False
+    recompute: bool = False
+    hooks: bool = True  # Megatron-style wgrad hooks move each .grad into an accumulator
+
+    def __str__(self) -> str:
+        return self.id
+
+
+WGRAD_SETUPS = [
+    WgradSetup("linear-bf16"),
+    WgradSetup("linear-bf16-deferred-reuse", placement="deferred", reuse=True),
+    WgradSetup("layernorm-linear-bf16-reuse-plain-grads", module="layernorm_linear", reuse=True, hooks=False),
+    WgradSetup("layernorm-mlp-bf16", module="layernorm_mlp"),
+    WgradSetup("layernorm-mlp-bf16-plain-grads", module="layernorm_mlp", hooks=False),
+    WgradSetup("grouped-linear-bf16", module="grouped_linear"),
+    WgradSetup("dropout-block-bf16-recompute-reuse", module="dropout_block", recompute=True, reuse=True),
+    WgradSetup("linear-fp8-delayed-reuse", recipe="delayed", reuse=True),
+    WgradSetup("layernorm-mlp-fp8-current-reuse", module="layernorm_mlp", recipe="current", reuse=True),
+    WgradSetup("linear-bf16-no-order", placement="no-order"),
+    WgradSetup("layernorm-linear-bf16-no-order-plain-grads", module="layernorm_linear", placement="no-order", hooks=False),
+]
+
+
+def run_order(order: list, micro: int, call, backward_dw, inputs: list) -> tuple[list, list]:
+    """One pass through a pipeline order on one device (chunk c+1 receives a copy of chunk
+    c's output, chunk c the input grad of chunk c+1): losses and chunk 1's input grads."""
+    chunks = max(int(c) for c in order)
+    nxt = {kind: [0] * chunks for kind in "fbw"}
+    ins, outs, grads, losses, input_grads = {}, {}, {}, {}, {}
+    for c in order:
+        if c != int(c):  # -c-0.5: the weight-gradient pass of chunk c
+            chunk = int(-c - 0.5) - 1
+            mb, nxt["w"][chunk] = nxt["w"][chunk], nxt["w"][chunk] + 1
+            backward_dw(chunk, mb)
+            continue
+        chunk = abs(int(c)) - 1
+        if c > 0:
+            mb, nxt["f"][chunk] = nxt["f"][chunk], nxt["f"][chunk] + 1
+            x = (inputs[mb] if chunk == 0 else outs[chunk - 1, mb].detach().clone()).detach().requires_grad_(True)
+            ins[chunk, mb], outs[chunk, mb] = x, call(chunk, mb, x)
+            continue
+        mb, nxt["b"][chunk] = nxt["b"][chunk], nxt["b"][chunk] + 1
+        out, x = outs[chunk, mb], ins.pop((chunk, mb))
+        if chunk == chunks - 1:
+            loss = out.float().square().mean()
+            losses[mb] = loss.detach()
+            loss.backward()
+        else:
+            torch.autograd.backward(out, grads.pop((chunk + 1, mb)))
+        if chunk > 0:
+            grads[chunk, mb] = x.grad
+        else:
+            input_grads[mb] = x.grad.clone()
+    return [losses[m] for m in sorted(losses)], [input_grads[m] for m in sorted(input_grads)]
+
+
+def train_wgrad(setup: WgradSetup, mode: str, steps: int = 3) -> Trace:
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+
+    FP8GlobalStateManager.reset()
+    reseed(4321)
+    dtype = torch.bfloat16
+    recipe = recipes()[setup.recipe]() if setup.recipe else None
+    modules = [build_delayed(setup.module, dtype).cuda() for _ in range(2)]
+    if setup.recompute:
+        modules = [RecomputedBlock(m, "ours") for m in modules]
+    params = [p for m in modules for p in m.parameters()]
+    accumulated = {id(p): torch.zeros_like(p) for p in params}
+    if setup.hooks:  # Megatron's way: each backward_dw hands its .grads to an accumulator
+        def hand_over(module):
+            def hook():
+                for p in module.parameters():
+                    if p.grad is not None and getattr(p, "skip_backward_post_hook", False):
+                        accumulated[id(p)] += p.grad
+                        p.grad = None
+            return hook
+        for m in modules:
+            for sub in m.modules():
+                if hasattr(sub, "register_wgrad_accumulation_and_reduce_hooks"):
+                    sub.register_wgrad_accumulation_and_reduce_hooks(hand_over(sub))
+    micro = 4 if setup.placement != "no-order" else 1
+    order = None if setup.placement == "no-order" else wgrad_order(setup.placement)
+    layers, dw = modules, [m.backward_dw for m in modules]
+    if mode != "eager":
+        g = torch.Generator(device="cuda").manual_seed(3)
+        samples = tuple((torch.randn(S, B, H, device="cuda", dtype=dtype, generator=g).requires_grad_(),)
+                        for _ in range(len(modules) * micro))
+        graphed = make_graphed_callables(
+            tuple(modules), samples, enabled=recipe is not None, recipe=recipe, get_rng_state_tracker=tracker,
+            eager_replay=mode == "eager_replay", _order=order, _num_layers_per_chunk=[1, 1] if order else None,
+            _reuse_graph_input_output_buffers=setup.reuse,
+        )
+        layers = list(graphed)
+        dw = [g.backward_dw for g in graphed] if order else [m.backward_dw for m in graphed]
+    opt = torch.optim.SGD(params, lr=0.01)
+    data = torch.Generator(device="cuda").manual_seed(7)
+    reseed(77)
+    trace = Trace()
+    for _ in range(steps):
+        for p in params:
+            p.grad = None
+        for acc in accumulated.values():
+            acc.zero_()
+        inputs = [torch.randn(S, B, H, device="cuda", dtype=dtype, generator=data) for _ in range(micro)]
+
+        per_graph = order is not None and mode != "eager"  # one graphed callable per (chunk, microbatch)
+
+        def call(chunk, mb, x):
+            with te().autocast(enabled=recipe is not None, recipe=recipe):
+                return layers[chunk * micro + mb if per_graph else chunk](x)
+
+        if order:
+            losses, input_grads = run_order(order, micro, call, lambda c, mb: dw[c * micro + mb if per_graph else c](), inputs)
+        else:  # the plain schedule: forwards, one backward, then each layer's backward_dw
+            losses, input_grads = run_order([1, 2, -2, -1], 1, call, None, inputs)
+            for fn in reversed(dw):
+                fn()
+        trace.outputs += losses
+        trace.input_grads += input_grads
+        grads = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in params]
+        trace.param_grads.append(grads + [accumulated[id(p)].clone() for p in params])
+        for p, grad in zip(params, grads):
+            p.grad = grad + accumulated[id(p)]
+        opt.step()
+    trace.weights = [p.detach().clone() for p in params]
+    trace.fp8_meta = fp8_meta(modules)
+    return trace
+
+
+@pytest.mark.parametrize("setup", WGRAD_SETUPS, ids=str)
+def test_split_weight_gradients_equal_eager_te_by_hand(setup):
+    _skip_unsupported(TESetup("probe", recipe=setup.recipe))
+    assert_graphs_and_eager_replay_equal_eager(lambda mode: train_wgrad(setup, mode))
+
+
+@pytest.mark.parametrize("eager_replay", [False, True], ids=["graphs", "eager-replay"])
+def test_backward_dw_calls_that_would_part_from_eager_te_are_refused(eager_replay):
+    reseed(5)
+    layer = te().Linear(H, H, params_dtype=torch.bfloat16, delay_wgrad_compute=True).cuda()
+    samples = tuple((torch.randn(S, B, H, device="cuda", dtype=torch.bfloat16, requires_grad=True),) for _ in range(2))
+    mb0, mb1 = make_graphed_callables((layer,), samples, _order=[1, 1, -1, -1.5, -1, -1.5], _num_layers_per_chunk=[1],
+                                      eager_replay=eager_replay)
+    x = torch.randn(S, B, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    with pytest.raises(RuntimeError, match=re.escape("backward_dw() without a backward waiting for it")):
+        mb0.backward_dw()
+    mb0(x).sum().backward()
+    mb1(x).sum().backward()
+    with pytest.raises(RuntimeError, match=re.escape("backward_dw() out of order: the backward of callable 0 (Linear), microbatch 0 ran before this one's")):
+        mb1.backward_dw()
+    with pytest.raises(RuntimeError, match=re.escape("forward while the backward_dw() of its last backward has not run")):
+        mb0(x)
+    mb0.backward_dw()
+    mb1.backward_dw()
+    mb0(x).sum().backward()  # the queue is free again
+
+
+def test_delayed_weight_gradients_need_their_passes_in_the_order():
+    reseed(5)
+    layer = te().Linear(H, H, params_dtype=torch.bfloat16, delay_wgrad_compute=True).cuda()
+    samples = ((torch.randn(S, B, H, device="cuda", dtype=torch.bfloat16, requires_grad=True),),)
+    forward = layer.forward
+    with pytest.raises(ValueError, match=re.escape("built with delay_wgrad_compute=True, whose backward leaves the weight gradients to backward_dw(), but the order gives it no weight-gradient pass; add -c-0.5")):
+        make_graphed_callables((layer,), samples, _order=[1, -1], _num_layers_per_chunk=[1])
+    assert layer.forward == forward and all(p.grad is None for p in layer.parameters())
