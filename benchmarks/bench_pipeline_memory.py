@@ -39,6 +39,14 @@ What it does, on one GPU, as pipeline rank ``--rank`` of ``--pipeline-size`` wou
    backprops ``out.float().square().mean()``. Parameter grads of the graphed variants are
    compared with the eager ones (``torch.equal``, and the largest difference).
 
+Where Transformer Engine is importable, two more tables run the same rows on one TE MLP
+(``te.LayerNormLinear``, GELU, ``te.Linear``) per chunk (``--chunks`` x ``--layers-per-chunk`` chunks of one layer:
+TE's rule for split weight gradients), in the interleaved order for that many chunks:
+weight gradients in the backward (integer order), and split out
+(``delay_wgrad_compute=True``, each backward ``-c`` followed by its ``-c-0.5`` pass, run by
+``backward_dw()``; the eager row calls the modules' own). Each table's rows are compared
+with its own eager row.
+
 A variant that raises (e.g. reuse not implemented) prints its error and the run goes on.
 """
 from __future__ import annotations
@@ -52,6 +60,8 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import dataclass
+from typing import Any, Callable
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
@@ -59,6 +69,7 @@ if _ROOT not in sys.path:
 
 import torch  # noqa: E402
 from _measure import MIB, FirstOutput, environment, free_memory  # noqa: E402
+from _pipeline import interleaved_1f1b_order, run_order, with_wgrad_passes  # noqa: E402
 from _report import record_failure  # noqa: E402
 
 import rng  # noqa: E402
@@ -69,82 +80,66 @@ from te_graph.schedule import plan_schedule  # noqa: E402
 SEED = 1234
 
 
-# --------------------------------------------------------------------------- the order
-
-
-def interleaved_1f1b_order(num_chunks: int, num_microbatches: int, pipeline_size: int,
-                           rank: int = 0) -> list[int]:
-    """Megatron's interleaved 1F1B schedule as seen by one pipeline rank, in TE's ``_order``
-    form: ``+c`` = forward of chunk ``c`` (1-based) for its next microbatch, ``-c`` = backward.
-
-    Forwards visit chunks in groups of ``pipeline_size`` microbatches (chunk 1 mb 0..P-1,
-    chunk 2 mb 0..P-1, ..., chunk 1 mb P..2P-1, ...); backwards the same, chunks last to
-    first. Warmup = ``(P - rank - 1) * 2 + (C - 1) * P`` forwards (all of them if fewer),
-    then one forward and one backward at a time, then the remaining backwards.
-    """
-    if num_chunks < 1 or num_microbatches < 1 or pipeline_size < 1:
-        raise ValueError("chunks, microbatches and pipeline size must be >= 1")
-    if not 0 <= rank < pipeline_size:
-        raise ValueError(f"rank {rank} is not in 0..{pipeline_size - 1}")
-    if num_chunks > 1 and num_microbatches % pipeline_size:
-        raise ValueError(
-            f"an interleaved schedule needs microbatches ({num_microbatches}) divisible by "
-            f"the pipeline size ({pipeline_size})")
-    total = num_chunks * num_microbatches
-
-    def chunk_id(k: int, forward: bool) -> int:
-        group = (k // pipeline_size) % num_chunks
-        return group + 1 if forward else -(num_chunks - group)
-
-    if num_chunks == 1:
-        warmup = min(pipeline_size - rank - 1, total)
-    else:
-        warmup = min((pipeline_size - rank - 1) * 2 + (num_chunks - 1) * pipeline_size, total)
-    order = [chunk_id(k, True) for k in range(warmup)]
-    forwards, backwards = warmup, 0
-    while forwards < total:
-        order.append(chunk_id(forwards, True))
-        forwards += 1
-        order.append(chunk_id(backwards, False))
-        backwards += 1
-    order.extend(chunk_id(k, False) for k in range(backwards, total))
-    check_runnable_on_one_device(order, num_chunks)
-    return order
-
-
-def check_runnable_on_one_device(order: list[int], num_chunks: int) -> None:
-    """Each chunk's forward of microbatch m needs chunk c-1's forward of m; each backward
-    needs its own forward and chunk c+1's backward of m (the data that crosses ranks)."""
-    fwd_done = [0] * (num_chunks + 2)
-    bwd_done = [0] * (num_chunks + 2)
-    bwd_done[num_chunks + 1] = 1 << 30  # nothing after the last chunk
-    fwd_done[0] = 1 << 30  # nothing before the first chunk
-    for position, c in enumerate(order):
-        chunk = abs(c)
-        if c > 0:
-            mb = fwd_done[chunk]
-            if fwd_done[chunk - 1] <= mb:
-                raise ValueError(f"order[{position}]: forward of chunk {chunk} mb {mb} before "
-                                 f"chunk {chunk - 1}'s forward of it")
-            fwd_done[chunk] += 1
-        else:
-            mb = bwd_done[chunk]
-            if fwd_done[chunk] <= mb or bwd_done[chunk + 1] <= mb:
-                raise ValueError(f"order[{position}]: backward of chunk {chunk} mb {mb} before "
-                                 f"its forward or chunk {chunk + 1}'s backward of it")
-            bwd_done[chunk] += 1
-
-
 # --------------------------------------------------------------------------- running
 
 
-def build_blocks(args):
-    rng.model_parallel_cuda_manual_seed(SEED)
-    torch.manual_seed(SEED)
-    return [
-        GPTBlock(args.hidden, args.hidden // 64, 0.0, device="cuda", dtype=torch.bfloat16)
-        for _ in range(args.chunks * args.layers_per_chunk)
-    ]
+@dataclass(frozen=True)
+class Table:
+    """One table of rows: its layers (built fresh per row, chunk by chunk) and its order
+    (``-c-0.5`` entries split the weight gradients out)."""
+
+    title: str
+    chunks: int
+    layers_per_chunk: int
+    order: list
+    build: Callable[[], list]
+    hidden_of: Callable[[Any], torch.Tensor]  # a layer's output -> its hidden states
+    tensor_out: Callable[[Any], Any]  # a layer -> one with tensor outputs (TE's graphs need it)
+
+
+def gpt_table(args, order):
+    def build():
+        rng.model_parallel_cuda_manual_seed(SEED)
+        torch.manual_seed(SEED)
+        return [GPTBlock(args.hidden, args.hidden // 64, 0.0, device="cuda", dtype=torch.bfloat16)
+                for _ in range(args.chunks * args.layers_per_chunk)]
+
+    return Table(f"{args.chunks} chunks x {args.layers_per_chunk} GPTBlocks (h {args.hidden}, dropout 0)",
+                 args.chunks, args.layers_per_chunk, order, build, lambda out: out[0], FirstOutput)
+
+
+class _TEMLP(torch.nn.Module):
+    """An MLP of two delayable TE modules: te.LayerNormLinear (h -> 4h), GELU, te.Linear
+    (4h -> h). (TE 2.20.2's own graphs fail to capture te.LayerNormMLP with
+    delay_wgrad_compute=True: its backward_dw reads a bias gradient that is None there.)"""
+
+    def __init__(self, hidden: int, split: bool):
+        super().__init__()
+        import transformer_engine.pytorch as te
+
+        self.fc1 = te.LayerNormLinear(hidden, 4 * hidden, params_dtype=torch.bfloat16, delay_wgrad_compute=split)
+        self.fc2 = te.Linear(4 * hidden, hidden, params_dtype=torch.bfloat16, delay_wgrad_compute=split)
+
+    def forward(self, x):
+        return self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+    def backward_dw(self):  # what an eager caller runs for a split layer
+        self.fc1.backward_dw()
+        self.fc2.backward_dw()
+
+
+def te_mlp_table(args, order, split):
+    """One TE MLP per chunk (TE's rule for split weight gradients), its modules built with
+    ``delay_wgrad_compute=split``."""
+    def build():
+        torch.manual_seed(SEED)
+        return [_TEMLP(args.hidden, split).cuda() for _ in range(args.chunks * args.layers_per_chunk)]
+
+    chunks = args.chunks * args.layers_per_chunk
+    title = (f"{chunks} chunks x 1 TE MLP (te.LayerNormLinear h {args.hidden} -> {4 * args.hidden}, GELU, "
+             f"te.Linear back), weight gradients "
+             + ("split out (delay_wgrad_compute=True, -c-0.5 after each -c)" if split else "in the backward"))
+    return Table(title, chunks, 1, order, build, lambda out: out, lambda layer: layer)
 
 
 def make_inputs(args):
@@ -155,42 +150,17 @@ def make_inputs(args):
     ]
 
 
-def run_iteration(layer_fn, order, inputs, num_chunks, num_microbatches, layers_per_chunk):
-    """One training iteration through ``order``; ``layer_fn(chunk, mb, layer)`` -> callable.
+def run_iteration(call_layer, backward_dw, table, inputs):
+    """One training iteration through the table's order (``_pipeline.run_order``);
+    ``call_layer(chunk, mb, layer, h)`` -> hidden states. Returns the losses per microbatch."""
+    def call(chunk, mb, x):
+        h = x
+        for layer in range(table.layers_per_chunk):
+            h = call_layer(chunk, mb, layer, h)
+        return h
 
-    Returns the last chunk's losses per microbatch."""
-    next_fwd = [0] * num_chunks
-    next_bwd = [0] * num_chunks
-    chunk_inputs, chunk_outputs, input_grads, losses = {}, {}, {}, {}
-    for c in order:
-        chunk = abs(c) - 1
-        if c > 0:
-            mb = next_fwd[chunk]
-            next_fwd[chunk] += 1
-            if chunk == 0:
-                x = inputs[mb].detach().requires_grad_(True)
-            else:  # the p2p receive: a new buffer holding the previous chunk's output
-                x = chunk_outputs[chunk - 1, mb].detach().clone().requires_grad_(True)
-            h = x
-            for layer in range(layers_per_chunk):
-                h, _ = layer_fn(chunk, mb, layer)(h)
-            chunk_inputs[chunk, mb] = x
-            chunk_outputs[chunk, mb] = h
-        else:
-            mb = next_bwd[chunk]
-            next_bwd[chunk] += 1
-            out = chunk_outputs.pop((chunk, mb))
-            x = chunk_inputs.pop((chunk, mb))
-            if chunk == num_chunks - 1:
-                loss = out.float().square().mean()
-                losses[mb] = loss.detach()
-                loss.backward()
-            else:
-                torch.autograd.backward(out, input_grads.pop((chunk + 1, mb)))
-            if chunk > 0:
-                input_grads[chunk, mb] = x.grad
-    assert not chunk_outputs and not input_grads, "order left work undone"
-    return [losses[mb].item() for mb in sorted(losses)]
+    losses, _ = run_order(table.order, call, inputs, backward_dw)
+    return [loss.item() for loss in losses]
 
 
 def pool_bytes(pool):
@@ -222,28 +192,37 @@ def _free():
     free_memory(clear_cublas_workspaces=False)
 
 
-def _te_make_graphed(blocks, sample_args, order, layers_per_chunk, reuse, pool):
-    """Transformer Engine's make_graphed_callables with its private pipeline arguments, on
-    the same blocks (tensor-only outputs), called as the GPTBlocks are: ``(h, None)``."""
-    from transformer_engine.pytorch import make_graphed_callables as te_make_graphed_callables
+def _graph(kind, table, blocks, sample_args, reuse, pool):
+    """te_graph's or TE's make_graphed_callables over the table's order, same arguments
+    (TE's under their private names, on layers with tensor outputs)."""
+    if kind == "TE":
+        from transformer_engine.pytorch import make_graphed_callables as te_make_graphed_callables
 
-    graphed = te_make_graphed_callables(
-        tuple(FirstOutput(b) for b in blocks), sample_args, _order=order,
-        _num_layers_per_chunk=layers_per_chunk, _reuse_graph_input_output_buffers=reuse, pool=pool)
-    return [lambda h, g=g: (g(h), None) for g in graphed]
+        return te_make_graphed_callables(
+            tuple(table.tensor_out(b) for b in blocks), sample_args, _order=table.order,
+            _num_layers_per_chunk=[table.layers_per_chunk] * table.chunks,
+            _reuse_graph_input_output_buffers=reuse, pool=pool)
+    return te_graph.make_graphed_callables(
+        tuple(blocks), sample_args, order=table.order, num_layers_per_chunk=table.layers_per_chunk,
+        reuse_graph_input_output_buffers=reuse, pool=pool)
 
 
-def run_variant(name, reuse, args, order, inputs):
-    C, M, L = args.chunks, args.microbatches, args.layers_per_chunk
+def run_variant(name, kind, reuse, table, args, inputs):
+    """One row: ``kind`` is "eager", "te_graph" or "TE"."""
+    C, M, L = table.chunks, args.microbatches, table.layers_per_chunk
     result = {"variant": name}
     _free()
     torch.cuda.reset_peak_memory_stats()
     try:
-        blocks = build_blocks(args)
+        blocks = table.build()
         params = [p for b in blocks for p in b.parameters()]
-        if name == "eager":
-            def layer_fn(chunk, mb, layer):
-                return blocks[chunk * L + layer]
+        if kind == "eager":
+            def call_layer(chunk, mb, layer, h):
+                return table.hidden_of(blocks[chunk * L + layer](h))
+
+            def backward_dw(chunk, mb):
+                for layer in range(L):
+                    blocks[chunk * L + layer].backward_dw()
         else:
             before = torch.cuda.memory_allocated()
             sample_args = [
@@ -253,12 +232,7 @@ def run_variant(name, reuse, args, order, inputs):
             ]
             sample_bytes = sum(a[0].numel() * a[0].element_size() for a in sample_args)
             pool = te_graph.graph_pool_handle()
-            if name.startswith("TE"):
-                graphed = _te_make_graphed(blocks, tuple(sample_args), order, L, reuse, pool)
-            else:
-                graphed = te_graph.make_graphed_callables(
-                    tuple(blocks), tuple(sample_args), order=order, num_layers_per_chunk=L,
-                    reuse_graph_input_output_buffers=reuse, pool=pool)
+            graphed = _graph(kind, table, blocks, tuple(sample_args), reuse, pool)
             del sample_args  # with reuse the library may hand their memory to other graphs
             gc.collect()
             torch.cuda.synchronize()
@@ -276,13 +250,18 @@ def run_variant(name, reuse, args, order, inputs):
                 capture_peak_mib=torch.cuda.max_memory_allocated() / MIB,
                 capture_peak_reserved_mib=torch.cuda.max_memory_reserved() / MIB,
             )
+            hidden_of = (lambda out: out) if kind == "TE" else table.hidden_of
 
-            def layer_fn(chunk, mb, layer):
-                return graphed[chunk * M * L + mb * L + layer]
+            def call_layer(chunk, mb, layer, h):
+                return hidden_of(graphed[chunk * M * L + mb * L + layer](h))
+
+            def backward_dw(chunk, mb):
+                for layer in range(L):
+                    graphed[chunk * M * L + mb * L + layer].backward_dw()
 
         _free()
         torch.cuda.reset_peak_memory_stats()
-        losses = run_iteration(layer_fn, order, inputs, C, M, L)
+        losses = run_iteration(call_layer, backward_dw, table, inputs)
         torch.cuda.synchronize()
         result["losses"] = losses
         result["peak_mib"] = torch.cuda.max_memory_allocated() / MIB
@@ -292,8 +271,8 @@ def run_variant(name, reuse, args, order, inputs):
             result["error"] = "some parameter has no grad after the iteration"
         result["grads"] = [None if g is None else g.detach().cpu() for g in grads]
         result["iteration_ms"] = _median_iteration_ms(
-            lambda: run_iteration(layer_fn, order, inputs, C, M, L), args.iters)
-        del grads, layer_fn, blocks, params
+            lambda: run_iteration(call_layer, backward_dw, table, inputs), args.iters)
+        del grads, call_layer, backward_dw, blocks, params
     except Exception as error:  # noqa: BLE001 - report and go on
         record_failure(result, error, args.traceback)
     with contextlib.suppress(NameError):
@@ -349,39 +328,21 @@ def parse_args(argv=None):
     parser.add_argument("--iters", type=int, default=20,
                         help="timed iterations after the measured one (median ms; default 20)")
     parser.add_argument("--no-te", action="store_true",
-                        help="leave out Transformer Engine's make_graphed_callables rows")
+                        help="leave out Transformer Engine's rows and tables")
     parser.add_argument("--out", default=None, help="optional JSON path for the raw numbers")
     parser.add_argument("--traceback", action="store_true", help="print full tracebacks of failing variants")
     return parser.parse_args(argv)
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    try:
-        order = interleaved_1f1b_order(args.chunks, args.microbatches, args.pipeline_size, args.rank)
-        schedule = plan_schedule(args.chunks * args.layers_per_chunk,
-                                 args.chunks * args.microbatches * args.layers_per_chunk,
-                                 order, args.layers_per_chunk)
-    except ValueError as error:
-        sys.exit(f"bench_pipeline_memory.py: {error}")
-    print(f"order ({len(order)} entries, {schedule.num_graphs} graphs): {order}")
-    if not torch.cuda.is_available():
-        sys.exit("bench_pipeline_memory.py: CUDA is not available; this benchmark needs a CUDA GPU.")
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}; {args.chunks} chunks x "
-          f"{args.layers_per_chunk} layers x {args.microbatches} microbatches of GPTBlock "
-          f"(h {args.hidden}, s {args.seq}, b {args.batch}, bf16, dropout 0), pipeline size "
-          f"{args.pipeline_size}, rank {args.rank}")
-    inputs = make_inputs(args)
-    variants = [("eager", False), ("te_graph", False), ("te_graph+reuse", True)]
-    if not args.no_te and importlib.util.find_spec("transformer_engine") is not None:
-        variants += [("TE graphs", False), ("TE graphs+reuse", True)]
-    prime_capture_stream()
-    results = {name: run_variant(name, reuse, args, order, inputs) for name, reuse in variants}
+ROWS = [("eager", "eager", False), ("te_graph", "te_graph", False), ("te_graph+reuse", "te_graph", True),
+        ("TE graphs", "TE", False), ("TE graphs+reuse", "TE", True)]
 
+
+def print_table(table, results):
     header = (f"{'variant':<16} {'static MiB':>10} {'w/o pgrad':>10} {'pool res':>10} "
               f"{'pool alloc':>10} {'capt peak':>10} {'capt res':>10} {'iter peak':>10} "
               f"{'footprint':>10} {'iter ms':>8}  vs eager grads")
-    print()
+    print(f"\n== {table.title} ==")
     print(header)
     print("-" * len(header))
     for name, r in results.items():
@@ -396,24 +357,54 @@ def main(argv=None):
               f"{_fmt(r.get('iteration_ms'), '8.2f')}  {check}")
         if "error" in r:
             print(f"{'':<16} ERROR: {r['error']}")
-    print("static = memory_allocated after capture (sample args dropped) - before the sample "
-          "args; w/o pgrad = minus parameter grad buffers; pool = graph pool segments; capt "
-          "peak/res = peak allocated/reserved of build + capture; iter peak = peak allocated "
-          "of the iteration; footprint = its peak reserved (after empty_cache); iter ms = "
-          "median wall time of --iters more iterations.")
-    plain, reused = results["te_graph"], results["te_graph+reuse"]
+    plain, reused = results.get("te_graph", {}), results.get("te_graph+reuse", {})
     if plain.get("static_mib") is not None and reused.get("static_mib") is not None:
         saved = plain["static_mib"] - reused["static_mib"]
         print(f"reuse saves {saved:.1f} MiB of static buffers "
               f"({reused['static_mib']:.1f} vs {plain['static_mib']:.1f} MiB), peak "
               f"{reused.get('peak_mib', float('nan')):.1f} vs {plain.get('peak_mib', float('nan')):.1f} MiB")
-        if abs(saved) < 1.0:
-            print("NOTE: reuse_graph_input_output_buffers=True changed nothing measurable: the "
-                  "option looks accepted but not implemented.")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    te_present = importlib.util.find_spec("transformer_engine") is not None
+    try:
+        order = interleaved_1f1b_order(args.chunks, args.microbatches, args.pipeline_size, args.rank)
+        schedule = plan_schedule(args.chunks * args.layers_per_chunk,
+                                 args.chunks * args.microbatches * args.layers_per_chunk,
+                                 order, args.layers_per_chunk)
+        tables = [gpt_table(args, order)]
+        if te_present and not args.no_te:  # one layer per chunk: TE's rule for split weight gradients
+            per_layer = interleaved_1f1b_order(args.chunks * args.layers_per_chunk, args.microbatches,
+                                               args.pipeline_size, args.rank)
+            tables += [te_mlp_table(args, per_layer, split=False),
+                       te_mlp_table(args, with_wgrad_passes(per_layer), split=True)]
+    except ValueError as error:
+        sys.exit(f"bench_pipeline_memory.py: {error}")
+    print(f"order ({len(order)} entries, {schedule.num_graphs} graphs): {order}")
+    if not torch.cuda.is_available():
+        sys.exit("bench_pipeline_memory.py: CUDA is not available; this benchmark needs a CUDA GPU.")
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}; {args.microbatches} microbatches "
+          f"(s {args.seq}, b {args.batch}, bf16), pipeline size {args.pipeline_size}, rank {args.rank}")
+    inputs = make_inputs(args)
+    rows = [row for row in ROWS if row[1] != "TE" or (te_present and not args.no_te)]
+    prime_capture_stream()
+    all_results = {}
+    for table in tables:
+        results = {name: run_variant(name, kind, reuse, table, args, inputs) for name, kind, reuse in rows}
+        print_table(table, results)
+        all_results[table.title] = results
+    print("\nstatic = memory_allocated after capture (sample args dropped) - before the sample "
+          "args; w/o pgrad = minus parameter grad buffers; pool = graph pool segments; capt "
+          "peak/res = peak allocated/reserved of build + capture; iter peak = peak allocated "
+          "of the iteration; footprint = its peak reserved (after empty_cache); iter ms = "
+          "median wall time of --iters more iterations.")
     if args.out:
         payload = {
-            **environment(), "args": vars(args), "order": order,
-            "variants": {n: {k: v for k, v in r.items() if k != "grads"} for n, r in results.items()},
+            **environment(), "args": vars(args),
+            "tables": {title: {"order": table.order,
+                               "variants": {n: {k: v for k, v in r.items() if k != "grads"} for n, r in results.items()}}
+                       for table, (title, results) in zip(tables, all_results.items())},
         }
         with open(args.out, "w") as f:
             json.dump(payload, f, indent=1)

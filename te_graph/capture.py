@@ -43,8 +43,8 @@ from .plan import GraphLayout, GraphPlan, TensorMeta, plan_capture
 from .recompute_rng import NO_SYNC, RecomputeRNG, TrackerSync
 from .records import CapturedGraph, GraphSpec, WarmupRecord
 from .resources import RESOURCES
-from .schedule import FORWARD, WGRAD, Step, with_wgrad_after_backward
-from .wgrad import WgradReplay, queued_work, run_backward_dw, wgrad_hooks_held
+from .schedule import FORWARD, WGRAD, Step, with_wgrad_passes_last
+from .wgrad import WgradReplay, run_backward_dw, wgrad_hooks_held
 from .warmup import fp8_context, grad_mode, warm_up
 
 __all__ = ["CaptureOptions", "Prepared", "prepare_graphs"]
@@ -179,8 +179,8 @@ def _allocate_grad_buffers(spec_sets, warmup_sets, home_stream, side_stream) -> 
 def _place_wgrad(specs: Sequence[GraphSpec], warmups: Sequence[WarmupRecord], steps: Sequence[Step],
                  has_order: bool) -> tuple[Step, ...]:
     """The steps with each weight-gradient pass where it runs: where the order puts it, or,
-    without an order, right after its backward (TE's capture order). A graph whose modules
-    cannot split their weight gradients out has no such pass to give."""
+    without an order, after every backward (``wgrad``). A graph whose modules cannot split
+    their weight gradients out has no such pass to give."""
     placed = {step.flat_index for step in steps if step.kind == WGRAD}
     needed = {i for i, w in enumerate(warmups) if w.wgrad is not None}
     unsplit = sorted(placed - needed)
@@ -207,7 +207,7 @@ def _place_wgrad(specs: Sequence[GraphSpec], warmups: Sequence[WarmupRecord], st
             "backward_dw(), but the order gives it no weight-gradient pass; add -c-0.5 after "
             "each backward -c of its chunk."
         )
-    return with_wgrad_after_backward(steps, set(missing)) if missing else tuple(steps)
+    return with_wgrad_passes_last(steps, set(missing)) if missing else tuple(steps)
 
 
 def _unique_modules(specs: Sequence[GraphSpec]) -> dict[str, torch.nn.Module]:
@@ -248,6 +248,7 @@ def _capture(
     mode = options.capture_error_mode
     forwards: dict[int, _Forward] = {}
     backwards: dict[int, tuple] = {}  # captured backwards waiting for their weight-gradient pass
+    input_grads: dict[int, tuple] = {}  # per captured backward: (static inputs, their grads)
     captured: dict[int, CapturedGraph] = {}
     for step in steps:
         index = step.flat_index
@@ -266,10 +267,11 @@ def _capture(
             captured[index] = _record(*backwards.pop(index), wgrad=wgrad)
             continue
         forward = forwards.pop(index)
-        grad_outputs = _grad_output_buffers(forward.output, plan, captured, home_stream)
+        grad_outputs = _grad_output_buffers(forward.output, plan, captured, input_grads, home_stream)
         graph, grad_inputs = _capture_backward(
             spec, forward, grad_outputs, param_grads[index], rngs[index], mempool, mode, stand_ins
         )
+        input_grads[index] = (forward.static_inputs, grad_inputs)
         parts = (spec, forward, graph, grad_outputs, grad_inputs, param_grads[index], rngs[index], warmup, plan, options)
         if warmup.wgrad is not None:
             backwards[index] = parts  # recorded with its weight-gradient pass
@@ -309,15 +311,16 @@ def _record(spec: GraphSpec, forward: _Forward, bwd_graph, grad_outputs, grad_in
     )
 
 
-def _grad_output_buffers(output: OutputLayout, plan: GraphPlan, captured: dict[int, CapturedGraph], home_stream) -> tuple:
+def _grad_output_buffers(output: OutputLayout, plan: GraphPlan, captured: dict[int, CapturedGraph],
+                         input_grads: dict[int, tuple], home_stream) -> tuple:
     """The buffers the backward graph reads its output grads from: a buffer donor's, the
     lender's input-grad buffer (gradient chaining, when its layout is the output's), or new
     ones on the caller's stream."""
     if plan.donor is not None and captured[plan.donor].static_grad_outputs:
         return captured[plan.donor].static_grad_outputs
     if plan.grad_output_from is not None:
-        lender = captured[plan.grad_output_from]
-        grad = next(g for t, g in zip(lender.static_inputs, lender.static_grad_inputs) if t.requires_grad)
+        static_inputs, grads = input_grads[plan.grad_output_from]
+        grad = next(g for t, g in zip(static_inputs, grads) if t.requires_grad)
         out = next(o for o in output.tensors if o.requires_grad)
         if TensorMeta.of(grad).same_layout(TensorMeta.of(out)):
             return tuple(grad if o is out else None for o in output.tensors)
@@ -388,10 +391,9 @@ def _capture_wgrad(spec: GraphSpec, warmup: WarmupRecord, param_grads: ParamGrad
     """The weight-gradient pass (``wgrad``): each delaying module's ``backward_dw()``,
     captured with the gradients it sets None and the others in their buffers (as at an
     in-graph replay), into the weight-gradient passes' own pool; what it sets are the
-    graph's static outputs, and the work it reads stays alive with it."""
+    graph's static outputs, handed back to that pool (``wgrad``)."""
     learned = warmup.wgrad
     split = stand_ins(tuple(spec.params[i] for i in sorted(learned.split_params)))
-    reads = queued_work(learned.modules)
     graph = torch.cuda.CUDAGraph()
     with grads_redirected(split, stand_ins(param_grads.params), param_grads.buffers):
         with wgrad_hooks_held(learned.modules), _capturing(graph, mempool, (), mode):
@@ -404,4 +406,5 @@ def _capture_wgrad(spec: GraphSpec, warmup: WarmupRecord, param_grads: ParamGrad
             f"make_graphed_callables: backward_dw() of {spec.name} set no gradient of a parameter "
             "during capture that it set during warmup; its weight-gradient pass cannot be graphed."
         )
-    return WgradReplay(spec.name, learned, spec.params, graph, outputs, reads)
+    aliases = tuple(tuple(compat.weak_alias(out) for out in per_module) for per_module in outputs)
+    return WgradReplay(spec.name, learned, spec.params, graph, aliases)

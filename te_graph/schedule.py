@@ -26,8 +26,8 @@ Layout (the same as TE's, so callers written for TE index results unchanged):
 * ``-c - 0.5`` (TE's wgrad-split schedule) runs the weight-gradient pass of chunk ``c``
   (``backward_dw()``) for the oldest microbatch whose backward ran without it. As in TE,
   such an order needs ``num_layers_per_chunk`` with one layer per chunk. Without an order,
-  a graph whose modules delay their weight gradients gets that pass right after its
-  backward (:func:`with_wgrad_after_backward`).
+  a graph whose modules delay their weight gradients gets that pass after every backward
+  (:func:`with_wgrad_passes_last`).
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ __all__ = [
     "FORWARD",
     "BACKWARD",
     "WGRAD",
-    "with_wgrad_after_backward",
+    "with_wgrad_passes_last",
     "GraphSlot",
     "Step",
     "Schedule",
@@ -147,15 +147,12 @@ def plan_schedule(
     return Schedule(num_chunks, num_microbatches, layers, graphs, steps, has_order=True)
 
 
-def with_wgrad_after_backward(steps: Sequence[Step], graphs: Set[int]) -> Tuple[Step, ...]:
-    """``steps`` with the weight-gradient pass of each graph in ``graphs`` right after its
-    backward (where TE captures it without an order)."""
-    out: List[Step] = []
-    for step in steps:
-        out.append(step)
-        if step.kind == BACKWARD and step.flat_index in graphs:
-            out.append(Step(WGRAD, step.flat_index))
-    return tuple(out)
+def with_wgrad_passes_last(steps: Sequence[Step], graphs: Set[int]) -> Tuple[Step, ...]:
+    """``steps`` and then the weight-gradient pass of each graph in ``graphs``, in the order
+    their backwards ran: captured after every backward, the passes may replay in any order
+    once their own backward has (TE captures each right after its backward instead)."""
+    passes = [Step(WGRAD, s.flat_index) for s in steps if s.kind == BACKWARD and s.flat_index in graphs]
+    return tuple(steps) + tuple(passes)
 
 
 def _plan_without_order(

@@ -10,14 +10,14 @@ the module's wgrad accumulation-and-reduce hooks (Megatron registers them). te_g
 * **Warmup** (:func:`learn_wgrad`) runs each such graph's ``backward_dw()`` after its
   backward, hooks held back, and learns which parameters it sets (ones the backward left
   alone) and, from a later pass that first gives them a gradient, which it overwrites.
-* **Capture** records the pass as a third graph per (layer, microbatch), where the
-  schedule puts it (``-c-0.5`` entries of an order; right after the backward without one),
-  with those parameters' ``.grad`` None; the gradients it sets are its static outputs.
-  Callers run these passes whenever they like after their backward (all after the whole
-  backward, or each at once), not in capture order, so they cannot share memory the way
-  forwards and backwards do: they are captured into a pool of their own, and the work each
-  reads (what its backward queued: :func:`queued_work`) is kept alive, so no later capture
-  reuses that memory.
+* **Capture** records the pass as a third graph per (layer, microbatch), with those
+  parameters' ``.grad`` None; the gradients it sets are its static outputs. Where: at the
+  order's ``-c-0.5`` entries (replays then follow the order, as for forwards and
+  backwards); without an order, after every backward, so that the passes may run in any
+  order once their backward has (after the whole backward, or each at once), since nothing
+  captured later can reuse what they read. The passes share a pool of their own, and their
+  outputs are handed back to it (non-owning aliases): a pass's gradients are copied out
+  right after its replay, before any other pass runs.
 * **Replay** (:class:`WgradReplay`) replays that graph, then does what ``backward_dw()``'s
   Python did, module by module: sets each ``.grad`` where eager TE would (a copy: eager
   hands out a new tensor each time) and runs the module's hooks. Eager replay calls the
@@ -37,7 +37,7 @@ import torch
 
 __all__ = [
     "OVERWRITES", "SETS_IF_NONE", "UNKNOWN", "DelayedWgrad", "delayed_wgrad_modules", "learn_wgrad",
-    "queued_work", "run_backward_dw", "wgrad_hooks_held", "WgradReplay", "WgradQueue",
+    "run_backward_dw", "wgrad_hooks_held", "WgradReplay", "WgradQueue",
 ]
 
 OVERWRITES = "overwrites"  # backward_dw sets .grad whatever it held (a weight)
@@ -58,19 +58,6 @@ class DelayedWgrad:
 def delayed_wgrad_modules(modules: Sequence[Any]) -> tuple:
     """The TE modules among ``modules`` built with ``delay_wgrad_compute=True``."""
     return tuple(m for m in modules if callable(getattr(m, "need_backward_dw", None)) and m.need_backward_dw())
-
-
-def queued_work(modules: Sequence[Any]) -> tuple:
-    """What the modules' backward queued for ``backward_dw()``: each item holds the tensors
-    its weight-gradient GEMMs read and the closure that runs them (TE 2.20
-    ``module/_common.py``: ``WeightGradStore.context``, a ``queue.Queue`` of
-    ``[tensor_list, func]``)."""
-    work: list = []
-    for m in modules:
-        pending = getattr(getattr(getattr(m, "wgrad_store", None), "context", None), "queue", None)
-        if pending is not None:
-            work.extend(pending)
-    return tuple(work)
 
 
 def run_backward_dw(module: Any) -> None:
@@ -141,11 +128,10 @@ class WgradReplay:
     """One graph's captured weight-gradient pass and what its replay does around it."""
 
     def __init__(self, name: str, learned: DelayedWgrad, params: Sequence[torch.Tensor], graph: Any,
-                 outputs: Sequence[Sequence[torch.Tensor]], reads: tuple):
+                 outputs: Sequence[Sequence[torch.Tensor]]):
         self.name = name
         self.modules = learned.modules
         self.graph = graph
-        self.reads = reads  # the queued work it reads (queued_work), kept alive
         # per module: (real parameter, kind, static gradient the graph writes)
         self.sets = tuple(
             tuple((params[i], kind, out) for (i, kind), out in zip(per_module, per_outputs))
@@ -183,7 +169,6 @@ class WgradReplay:
             self.graph.reset()
         self.graph = None
         self.sets = ()
-        self.reads = ()
 
 
 class WgradQueue:

@@ -14,7 +14,7 @@ from te_graph.schedule import (
     Schedule,
     Step,
     plan_buffer_reuse,
-    with_wgrad_after_backward,
+    with_wgrad_passes_last,
     plan_schedule,
     resolve_buffer_owners,
 )
@@ -191,12 +191,12 @@ def test_wgrad_entries_take_the_oldest_backward_of_their_chunk() -> None:
     ]
 
 
-def test_without_an_order_the_wgrad_pass_follows_its_backward() -> None:
+def test_without_an_order_the_wgrad_passes_come_after_every_backward() -> None:
     steps = plan_schedule(3, 3).steps
-    placed = with_wgrad_after_backward(steps, {0, 2})
+    placed = with_wgrad_passes_last(steps, {0, 2})
     assert [(s.kind, s.flat_index) for s in placed] == [
-        (FORWARD, 0), (FORWARD, 1), (FORWARD, 2), (BACKWARD, 2), (WGRAD, 2), (BACKWARD, 1),
-        (BACKWARD, 0), (WGRAD, 0),
+        (FORWARD, 0), (FORWARD, 1), (FORWARD, 2), (BACKWARD, 2), (BACKWARD, 1), (BACKWARD, 0),
+        (WGRAD, 2), (WGRAD, 0),
     ]
 
 

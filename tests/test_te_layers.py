@@ -13,7 +13,9 @@ otherwise. TE is imported here only.
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -23,6 +25,9 @@ from torch import nn
 
 import checkpointing
 from te_graph import make_graphed_callables
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+from _pipeline import interleaved_1f1b_order, run_order, with_wgrad_passes  # noqa: E402
 from tests.test_parity import Trace as ParityTrace
 from tests.test_parity import assert_same as assert_parity
 
@@ -423,23 +428,14 @@ def build_delayed(kind: str, dtype: torch.dtype) -> nn.Module:
     return DropoutBlock(dtype)
 
 
-# Pipeline rank 0 of 2, interleaved 1F1B over 2 chunks x 4 microbatches (one layer per chunk).
-INTERLEAVED_1F1B = [1, 1, 2, 2, 1, -2, 1, -2, 2, -1, 2, -1, -2, -2, -1, -1]
-
-
-def wgrad_order(placement: str) -> list:
-    """Each backward's -c-0.5 right after it ("after"), or all at the end ("deferred")."""
-    if placement == "after":
-        return [e for c in INTERLEAVED_1F1B for e in ([c, c - 0.5] if c < 0 else [c])]
-    return INTERLEAVED_1F1B + [-1.5] * 4 + [-2.5] * 4
-
-
 @dataclass(frozen=True)
 class WgradSetup:
     id: str
     module: str = "linear"
     recipe: Optional[str] = None
-    placement: str = "after"  # "after", "deferred", or "no-order" (two layers, plain schedule)
+    # "after", "deferred"; "no-order": two layers, plain schedule, backward_dw() last layer
+    # first ("no-order-first-layer-first": the other way round)
+    placement: str = "after"
     reuse: bool = False
     recompute: bool = False
     hooks: bool = True  # Megatron-style wgrad hooks move each .grad into an accumulator
@@ -460,40 +456,9 @@ WGRAD_SETUPS = [
     WgradSetup("layernorm-mlp-fp8-current-reuse", module="layernorm_mlp", recipe="current", reuse=True),
     WgradSetup("linear-bf16-no-order", placement="no-order"),
     WgradSetup("layernorm-linear-bf16-no-order-plain-grads", module="layernorm_linear", placement="no-order", hooks=False),
+    WgradSetup("layernorm-mlp-bf16-no-order-first-layer-first", module="layernorm_mlp",
+               placement="no-order-first-layer-first"),
 ]
-
-
-def run_order(order: list, micro: int, call, backward_dw, inputs: list) -> tuple[list, list]:
-    """One pass through a pipeline order on one device (chunk c+1 receives a copy of chunk
-    c's output, chunk c the input grad of chunk c+1): losses and chunk 1's input grads."""
-    chunks = max(int(c) for c in order)
-    nxt = {kind: [0] * chunks for kind in "fbw"}
-    ins, outs, grads, losses, input_grads = {}, {}, {}, {}, {}
-    for c in order:
-        if c != int(c):  # -c-0.5: the weight-gradient pass of chunk c
-            chunk = int(-c - 0.5) - 1
-            mb, nxt["w"][chunk] = nxt["w"][chunk], nxt["w"][chunk] + 1
-            backward_dw(chunk, mb)
-            continue
-        chunk = abs(int(c)) - 1
-        if c > 0:
-            mb, nxt["f"][chunk] = nxt["f"][chunk], nxt["f"][chunk] + 1
-            x = (inputs[mb] if chunk == 0 else outs[chunk - 1, mb].detach().clone()).detach().requires_grad_(True)
-            ins[chunk, mb], outs[chunk, mb] = x, call(chunk, mb, x)
-            continue
-        mb, nxt["b"][chunk] = nxt["b"][chunk], nxt["b"][chunk] + 1
-        out, x = outs[chunk, mb], ins.pop((chunk, mb))
-        if chunk == chunks - 1:
-            loss = out.float().square().mean()
-            losses[mb] = loss.detach()
-            loss.backward()
-        else:
-            torch.autograd.backward(out, grads.pop((chunk + 1, mb)))
-        if chunk > 0:
-            grads[chunk, mb] = x.grad
-        else:
-            input_grads[mb] = x.grad.clone()
-    return [losses[m] for m in sorted(losses)], [input_grads[m] for m in sorted(input_grads)]
 
 
 def train_wgrad(setup: WgradSetup, mode: str, steps: int = 3) -> Trace:
@@ -520,8 +485,10 @@ def train_wgrad(setup: WgradSetup, mode: str, steps: int = 3) -> Trace:
             for sub in m.modules():
                 if hasattr(sub, "register_wgrad_accumulation_and_reduce_hooks"):
                     sub.register_wgrad_accumulation_and_reduce_hooks(hand_over(sub))
-    micro = 4 if setup.placement != "no-order" else 1
-    order = None if setup.placement == "no-order" else wgrad_order(setup.placement)
+    plain = setup.placement.startswith("no-order")
+    micro = 1 if plain else 4
+    # pipeline rank 0 of 2, interleaved 1F1B over 2 chunks of one layer x 4 microbatches
+    order = None if plain else with_wgrad_passes(interleaved_1f1b_order(2, 4, 2), setup.placement)
     layers, dw = modules, [m.backward_dw for m in modules]
     if mode != "eager":
         g = torch.Generator(device="cuda").manual_seed(3)
@@ -552,10 +519,10 @@ def train_wgrad(setup: WgradSetup, mode: str, steps: int = 3) -> Trace:
                 return layers[chunk * micro + mb if per_graph else chunk](x)
 
         if order:
-            losses, input_grads = run_order(order, micro, call, lambda c, mb: dw[c * micro + mb if per_graph else c](), inputs)
+            losses, input_grads = run_order(order, call, inputs, lambda c, mb: dw[c * micro + mb if per_graph else c]())
         else:  # the plain schedule: forwards, one backward, then each layer's backward_dw
-            losses, input_grads = run_order([1, 2, -2, -1], 1, call, None, inputs)
-            for fn in reversed(dw):
+            losses, input_grads = run_order([1, 2, -2, -1], call, inputs)
+            for fn in dw if setup.placement == "no-order-first-layer-first" else reversed(dw):
                 fn()
         trace.outputs += losses
         trace.input_grads += input_grads
