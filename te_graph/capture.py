@@ -15,8 +15,9 @@
 6. Capture, in run order, into one memory pool: each forward graph drawing from the live
    streams, then each backward graph, which runs ``torch.autograd.backward`` with input
    grads redirected and parameter grads accumulated into their persistent buffers
-   (``grads``), its recompute drawing from the private generators. One
-   :class:`CapturedGraph` per graph.
+   (``grads``), its recompute drawing from the private generators; and, for Transformer
+   Engine modules that delay their weight gradients, each weight-gradient pass, into a
+   pool of its own (``wgrad``). One :class:`CapturedGraph` per graph.
 7. ``finally``: parameters, buffers, RNG states, ``.grad``s and the garbage collector are
    put back, so a failed capture leaves the process and the model as they were and a
    successful one shifts no user state.

@@ -1,7 +1,8 @@
 """Warmup: eager passes over the graphs before capture, and what they teach.
 
 ``num_warmup_iters`` passes, each forward followed at once by its backward (as torch's own
-warmup does): only one graph's activations are alive at a time, so warmup leaves little in
+warmup does) and, for Transformer Engine modules that delay their weight gradients, by
+their ``backward_dw()``, which teaches what that pass sets (``wgrad``): only one graph's activations are alive at a time, so warmup leaves little in
 the allocator's cache and capture starts from about the memory a step needs. Lazy
 initialisation (cuBLAS handles, autotuning) happens here, outside any graph.
 
