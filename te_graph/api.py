@@ -23,7 +23,7 @@ from .records import GraphSpec
 from .replay import NO_CLOCK, Clock, EagerRunner, GraphRunner, ReplayOptions
 from .resources import RESOURCES
 from .schedule import plan_schedule
-from .wgrad import WgradQueue
+from .wgrad import WgradBook
 
 __all__ = ["make_graphed_callables", "eager_replay_default", "Samples", "reset", "graph_pool_handle"]
 
@@ -237,18 +237,17 @@ def _wrap(spec_sets: list[list[GraphSpec]], prepared: Prepared, options: GraphOp
         clone_param_grads=options.clone_param_grads_on_return,
     )
     clock = Clock() if len(spec_sets) > 1 else NO_CLOCK
-    # One queue of weight-gradient passes per callable, over its microbatches' graphs (TE
-    # keeps one per module).
-    queues = {spec.owner: WgradQueue() for spec in spec_sets[0]}
+    # The weight-gradient passes waiting, over every graph of the call (``wgrad``).
+    has_wgrad = any(w.wgrad is not None for warmups in prepared.warmups for w in warmups)
+    book = WgradBook(ordered=options.order is not None) if has_wgrad else None
 
     def runner(variant: int, index: int):
         spec = spec_sets[variant][index]
-        queue = queues[spec.owner]
         if prepared.captured is None:
             warmup = prepared.warmups[variant][index]
             checks_ = fp8_replay(spec.fp8, fp8, warmup.te_modules, spec.has_te, graphs=False)
-            return EagerRunner(spec, warmup, checks_, clock, variant, queue)
-        return GraphRunner(spec, prepared.captured[variant][index], replay, clock, variant, queue)
+            return EagerRunner(spec, warmup, checks_, clock, variant, book)
+        return GraphRunner(spec, prepared.captured[variant][index], replay, clock, variant, book)
 
     return [
         GraphedCallable([runner(v, i) for v in range(len(spec_sets))], spec_sets[0][i], pool, options.unseen_shape)

@@ -45,7 +45,9 @@ from .recompute_rng import NO_SYNC, RecomputeRNG, TrackerSync
 from .records import CapturedGraph, GraphSpec, WarmupRecord
 from .resources import RESOURCES
 from .schedule import FORWARD, WGRAD, Step, with_wgrad_passes_last
-from .wgrad import WgradReplay, run_backward_dw, wgrad_hooks_held
+from .wgrad import (
+    WgradReplay, check_no_queued_work, delayed_modules_in, drop_queued_work, run_backward_dw, wgrad_hooks_held,
+)
 from .warmup import fp8_context, grad_mode, warm_up
 
 __all__ = ["CaptureOptions", "Prepared", "prepare_graphs"]
@@ -87,6 +89,8 @@ def prepare_graphs(spec_sets: Sequence[Sequence[GraphSpec]], steps: Sequence[Ste
     """
     specs = [spec for specs in spec_sets for spec in specs]
     modules = _unique_modules(specs)
+    delayed = delayed_modules_in(list(modules.values()))
+    check_no_queued_work(delayed, "when graphing starts; run it first (warmup would take that work for its own)")
     buffers = ModuleBuffers(modules.values(), modules.keys())
     stand_ins = StandIns(modules.values())
     updates = InputUpdates()
@@ -139,6 +143,7 @@ def prepare_graphs(spec_sets: Sequence[Sequence[GraphSpec]], steps: Sequence[Ste
         buffers.restore()
         updates.restore()
         forget_stand_in_caches(list(modules.values()))
+        drop_queued_work(delayed)  # empty unless graphing failed between a backward and its pass
 
 
 def _plan(specs: Sequence[GraphSpec], warmups: Sequence[WarmupRecord], steps, options: CaptureOptions) -> tuple[GraphPlan, ...]:
@@ -184,6 +189,17 @@ def _place_wgrad(specs: Sequence[GraphSpec], warmups: Sequence[WarmupRecord], st
     their weight gradients out has no such pass to give."""
     placed = {step.flat_index for step in steps if step.kind == WGRAD}
     needed = {i for i, w in enumerate(warmups) if w.wgrad is not None}
+    owners: dict[int, str] = {}
+    for i in sorted(needed):
+        for module in warmups[i].wgrad.modules:
+            owner = owners.setdefault(id(module), specs[i].owner)
+            if owner != specs[i].owner:
+                raise NotImplementedError(
+                    f"make_graphed_callables: {type(module).__name__} (delay_wgrad_compute=True) runs "
+                    f"in both {owner} and {specs[i].owner}; Transformer Engine keeps one queue of "
+                    "weight-gradient work per module, so which backward_dw() takes which backward's "
+                    "work depends on both callables' calls. Give each callable its own modules."
+                )
     unsplit = sorted(placed - needed)
     if unsplit and not specs[unsplit[0]].needs_backward:
         raise ValueError(
@@ -206,7 +222,7 @@ def _place_wgrad(specs: Sequence[GraphSpec], warmups: Sequence[WarmupRecord], st
             f"make_graphed_callables: {specs[missing[0]].name} holds Transformer Engine modules "
             "built with delay_wgrad_compute=True, whose backward leaves the weight gradients to "
             "backward_dw(), but the order gives it no weight-gradient pass; add -c-0.5 after "
-            "each backward -c of its chunk."
+            "each backward -c of its chunk (one layer per chunk, as TE requires)."
         )
     return with_wgrad_passes_last(steps, set(missing)) if missing else tuple(steps)
 

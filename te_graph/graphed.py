@@ -90,8 +90,9 @@ class GraphedCallable:
         if self._reset:
             raise RuntimeError(f"{self.__name__}: backward_dw() after reset(), which freed its graphs.")
         runners = list(self._runners.values())
-        queue = runners[0].wgrad_queue
-        head = queue.waiting[0] if queue is not None and queue.waiting else None
+        book = runners[0].wgrad_book
+        queue = book.waiting[runners[0].owner] if book is not None else ()
+        head = queue[0][0] if queue else None
         (head if any(r is head for r in runners) else runners[0]).backward_dw()
 
     def reset(self) -> None:

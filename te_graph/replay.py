@@ -27,7 +27,7 @@ from . import compat
 from .te_support import accepts_is_first_microbatch
 from .grads import grads_redirected
 from .records import CapturedGraph, GraphSpec, WarmupRecord
-from .wgrad import WgradQueue, run_backward_dw
+from .wgrad import WgradBook, check_grads_as_captured, run_backward_dw
 
 __all__ = ["ReplayOptions", "Clock", "NO_CLOCK", "Runner", "GraphRunner", "EagerRunner", "run", "shapes_text"]
 
@@ -110,10 +110,12 @@ class Runner:
     non_differentiable: tuple[int, ...] = ()
 
     def __init__(self, spec: GraphSpec, clock: Any, variant: int, updated: tuple[int, ...],
-                 wgrad_queue: Optional[WgradQueue] = None):
+                 wgrad_book: Optional[WgradBook] = None, has_wgrad: bool = False):
         self.name = spec.name
-        # Its callable's queue of weight-gradient passes (``wgrad``); None where it has none.
-        self.wgrad_queue = wgrad_queue
+        self.owner = spec.owner
+        # The call's weight-gradient passes waiting (``wgrad``); None where it has none.
+        self.wgrad_book = wgrad_book
+        self.has_wgrad = has_wgrad
         self.updated = updated  # inputs the forward updates in place (warmup found them)
         self.variant = variant
         self.layout = spec.layout
@@ -132,12 +134,22 @@ class Runner:
     def backward_dw(self) -> None:
         """TE's ``backward_dw()``: the weight-gradient pass of this graph's last backward
         (nothing where its modules do not delay their weight gradients, as in TE)."""
-        if self.wgrad_queue is not None:
-            self.wgrad_queue.take(self)
+        if self.has_wgrad:
+            self.wgrad_book.check_take(self, self.clock.tick)
             self._run_wgrad()
+            self.wgrad_book.taken(self)
 
     def _run_wgrad(self) -> None:
         raise NotImplementedError
+
+    def _before_backward(self, invocation: Invocation) -> None:
+        if self.has_wgrad:
+            self.wgrad_book.check_backward(self)
+        self._check_fresh(invocation)
+
+    def _after_backward(self) -> None:
+        if self.has_wgrad:
+            self.wgrad_book.backward_done(self, self.clock.tick)
 
     def _copy_inputs(self, inputs: tuple[torch.Tensor, ...]) -> None:
         """Each input into its static buffer, unless it lies there already (``_copy_in``)."""
@@ -186,8 +198,8 @@ class GraphRunner(Runner):
     """Replays a captured forward/backward graph pair on its static buffers."""
 
     def __init__(self, spec: GraphSpec, graph: CapturedGraph, options: ReplayOptions, clock: Any = NO_CLOCK, variant: int = 0,
-                 wgrad_queue: Optional[WgradQueue] = None):
-        super().__init__(spec, clock, variant, graph.updated_inputs, wgrad_queue if graph.wgrad is not None else None)
+                 wgrad_book: Optional[WgradBook] = None):
+        super().__init__(spec, clock, variant, graph.updated_inputs, wgrad_book, graph.wgrad is not None)
         self.graph = graph
         if graph.param_grads is not None:
             self.params = graph.param_grads.params  # less those only the weight-gradient pass sets
@@ -232,8 +244,8 @@ class GraphRunner(Runner):
     def forward(self, inputs: tuple[torch.Tensor, ...], through_autograd: bool, with_backward: bool = True,
                 is_first_microbatch: Any = None) -> tuple[Invocation, tuple]:
         graph = self.graph
-        if self.wgrad_queue is not None:
-            self.wgrad_queue.check_free(self, "forward")
+        if self.wgrad_book is not None:
+            self.wgrad_book.check_forward(self)
         fp8_first = graph.fp8.before_forward(self.name, is_first_microbatch)
         self._copy_inputs(inputs)
         copy_grads = tuple(map(self._grad_copied, inputs, graph.static_grad_inputs)) if with_backward else ()
@@ -249,9 +261,7 @@ class GraphRunner(Runner):
         return Invocation(self.generation, tick, record, copy_grads, through_autograd, None, fp8_first), outputs
 
     def backward(self, invocation: Invocation, grads: tuple) -> tuple:
-        self._check_fresh(invocation)
-        if self.wgrad_queue is not None:
-            self.wgrad_queue.backward(self)
+        self._before_backward(invocation)
         graph = self.graph
         for slot, g in zip(self.grad_output_slots, grads):
             if slot is None:
@@ -272,6 +282,7 @@ class GraphRunner(Runner):
         if moved:
             graph.sync_backward.after_replay(moved)
         graph.fp8.after_backward(invocation.fp8_first)
+        self._after_backward()
         input_grads = tuple(
             None if g is None else (g.clone() if copy else g.detach())
             for g, copy in zip(graph.static_grad_inputs, invocation.copy_grads)
@@ -291,7 +302,7 @@ class GraphRunner(Runner):
         if self.graph.wgrad is not None:
             self.graph.wgrad.reset()
         self.graph = None
-        self.wgrad_queue = None
+        self.has_wgrad = False
         self.static_inputs = self.static_outputs = ()
         self.input_slots = self.grad_output_slots = ()
         self.output = None
@@ -301,9 +312,9 @@ class EagerRunner(Runner):
     """Same wrapper, no graphs: runs the callable on the static buffers at every call."""
 
     def __init__(self, spec: GraphSpec, warmup: WarmupRecord, fp8: Any, clock: Any = NO_CLOCK, variant: int = 0,
-                 wgrad_queue: Optional[WgradQueue] = None):
-        super().__init__(spec, clock, variant, warmup.updated, wgrad_queue if warmup.wgrad is not None else None)
-        self.wgrad_modules = warmup.wgrad.modules if warmup.wgrad is not None else ()
+                 wgrad_book: Optional[WgradBook] = None):
+        super().__init__(spec, clock, variant, warmup.updated, wgrad_book, warmup.wgrad is not None)
+        self.wgrad = warmup.wgrad
         self.spec = spec
         self.fp8 = fp8  # the checks an FP8 graph's calls get (te_support.fp8_replay)
         self.takes_first_microbatch = accepts_is_first_microbatch(spec.call)
@@ -317,8 +328,8 @@ class EagerRunner(Runner):
     def forward(self, inputs: tuple[torch.Tensor, ...], through_autograd: bool, with_backward: bool = True,
                 is_first_microbatch: Any = None) -> tuple[Invocation, tuple]:
         spec = self.spec
-        if self.wgrad_queue is not None:
-            self.wgrad_queue.check_free(self, "forward")
+        if self.wgrad_book is not None:
+            self.wgrad_book.check_forward(self)
         self.fp8.before_forward(self.name, is_first_microbatch)
         self._copy_inputs(inputs)
         tick = self.clock.forward(self.variant, self.shape)
@@ -334,9 +345,7 @@ class EagerRunner(Runner):
         return invocation, tuple(o.detach() for o in outputs)
 
     def backward(self, invocation: Invocation, grads: tuple) -> tuple:
-        self._check_fresh(invocation)
-        if self.wgrad_queue is not None:
-            self.wgrad_queue.backward(self)
+        self._before_backward(invocation)
         pairs = [(o, g) for o, g in zip(invocation.outputs, grads) if o.requires_grad]
         with grads_redirected(self.spec.grad_inputs):
             if pairs:
@@ -345,17 +354,19 @@ class EagerRunner(Runner):
                     [torch.zeros_like(o) if g is None else g for o, g in pairs],
                     retain_graph=self.retains_graph,
                 )
+            self._after_backward()
             return tuple(t.grad for t in self.static_inputs) + (None,) * len(self.anchor)
 
     def _run_wgrad(self) -> None:
-        for module in self.wgrad_modules:
+        check_grads_as_captured(self.name, self.wgrad, self.spec.params)  # as the graphs check
+        for module in self.wgrad.modules:
             run_backward_dw(module)  # the module's own: its queue holds this backward's work
 
     def reset(self) -> None:
         self.spec = None
         self.static_inputs = self.input_slots = ()
         self.output = None
-        self.wgrad_queue = None
+        self.has_wgrad = False
 
 
 class _Slot:

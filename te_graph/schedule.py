@@ -199,6 +199,8 @@ def _as_order_entries(order: Sequence[object]) -> List[Union[int, _Wgrad]]:
             entries.append(_as_int(value, "order"))  # refuses bools and non-numbers
             continue
         number = float(value)
+        if not math.isfinite(number):
+            raise ValueError(f"order[{position}] = {value!r}: entries are chunk ids (ints) or -c-0.5.")
         if number.is_integer():
             entries.append(int(number))
             continue

@@ -30,7 +30,7 @@ from .parameters import ForeignLeaves, StandIns
 from .recompute_rng import BackwardDraws, ForwardDraws, StreamUse
 from .records import GraphSpec, WarmupRecord
 from .schedule import FORWARD, Step
-from .wgrad import DelayedWgrad, delayed_wgrad_modules, learn_wgrad
+from .wgrad import DelayedWgrad, check_no_queued_work, delayed_wgrad_modules, learn_wgrad
 
 __all__ = ["warm_up", "grad_mode", "fp8_context", "differentiable"]
 
@@ -162,6 +162,9 @@ def _backward(spec: GraphSpec, stand_ins: StandIns, outputs: Any, device, tracke
         spec.hooks.run("backward_hooks", spec.func)
     stand = stand_ins(spec.params)
     learned = learn_wgrad(delayed, spec.params, stand, known) if delayed else None
+    if delayed:
+        check_no_queued_work(delayed, f"after {spec.name}'s weight-gradient pass in warmup: it runs more "
+                             "than once in one forward, which te_graph cannot graph")
     for p in stand:
         p.grad = None  # throwaway: the next pass starts clean
     return unused, draws.close() if draws is not None else None, learned

@@ -14,17 +14,21 @@ the module's wgrad accumulation-and-reduce hooks (Megatron registers them). te_g
   parameters' ``.grad`` None; the gradients it sets are its static outputs. Where: at the
   order's ``-c-0.5`` entries (replays then follow the order, as for forwards and
   backwards); without an order, after every backward, so that the passes may run in any
-  order once their backward has (after the whole backward, or each at once), since nothing
-  captured later can reuse what they read. The passes share a pool of their own, and their
+  order once their backward has (after the whole backward, or each at once, but all
+  before the next forward: :class:`WgradBook`). The passes share a pool of their own, and their
   outputs are handed back to it (non-owning aliases): a pass's gradients are copied out
   right after its replay, before any other pass runs.
 * **Replay** (:class:`WgradReplay`) replays that graph, then does what ``backward_dw()``'s
   Python did, module by module: sets each ``.grad`` where eager TE would (a copy: eager
   hands out a new tensor each time) and runs the module's hooks. Eager replay calls the
   modules' own ``backward_dw()``.
-* **Order** (:class:`WgradQueue`, one per graphed callable): ``backward_dw()`` takes the
-  oldest backward still waiting for it, as TE's queue does; a graph's next forward or
-  backward waits until then (the pass reads that graph's buffers).
+* **Order** (:class:`WgradBook`, one per ``make_graphed_callables`` call): ``backward_dw()``
+  takes the oldest backward of its callable still waiting for it, as TE's queue does; a
+  graph's next forward or backward waits until then (the pass reads that graph's buffers),
+  and without an order every forward waits for every pass.
+* **TE's queues** must be empty when graphing starts (:func:`check_no_queued_work`), hold
+  one item per module after each warmup or captured backward, and are emptied if graphing
+  fails (:func:`drop_queued_work`).
 """
 from __future__ import annotations
 
@@ -37,7 +41,8 @@ import torch
 
 __all__ = [
     "OVERWRITES", "SETS_IF_NONE", "UNKNOWN", "DelayedWgrad", "delayed_wgrad_modules", "learn_wgrad",
-    "run_backward_dw", "wgrad_hooks_held", "WgradReplay", "WgradQueue",
+    "run_backward_dw", "wgrad_hooks_held", "check_grads_as_captured", "WgradReplay", "WgradBook",
+    "delayed_modules_in", "check_no_queued_work", "drop_queued_work",
 ]
 
 OVERWRITES = "overwrites"  # backward_dw sets .grad whatever it held (a weight)
@@ -58,6 +63,40 @@ class DelayedWgrad:
 def delayed_wgrad_modules(modules: Sequence[Any]) -> tuple:
     """The TE modules among ``modules`` built with ``delay_wgrad_compute=True``."""
     return tuple(m for m in modules if callable(getattr(m, "need_backward_dw", None)) and m.need_backward_dw())
+
+
+def delayed_modules_in(modules: Sequence[Any]) -> list:
+    """Every submodule of ``modules`` that delays its weight gradients (a TE module)."""
+    found: dict[int, Any] = {}
+    for module in modules:
+        for m in module.modules() if isinstance(module, torch.nn.Module) else ():
+            if callable(getattr(m, "need_backward_dw", None)) and m.need_backward_dw():
+                found.setdefault(id(m), m)
+    return list(found.values())
+
+
+def _queued(module: Any) -> Any:
+    """The deque of work ``module``'s backward queued for ``backward_dw()`` (TE 2.20
+    ``module/_common.py``: ``WeightGradStore.context``, a ``queue.Queue``), or None."""
+    return getattr(getattr(getattr(module, "wgrad_store", None), "context", None), "queue", None)
+
+
+def check_no_queued_work(modules: Sequence[Any], when: str) -> None:
+    """Refuse where a module's queue holds work (``when``: what would go wrong)."""
+    for m in modules:
+        if _queued(m):
+            raise RuntimeError(
+                f"make_graphed_callables: {type(m).__name__} (built with delay_wgrad_compute=True) "
+                f"holds {len(_queued(m))} backward(s) waiting for backward_dw() {when}."
+            )
+
+
+def drop_queued_work(modules: Sequence[Any]) -> None:
+    """Empty the modules' queues (after a failed capture: what it queued is not the user's)."""
+    for m in modules:
+        queued = _queued(m)
+        if queued:
+            queued.clear()
 
 
 def run_backward_dw(module: Any) -> None:
@@ -124,41 +163,47 @@ def learn_wgrad(modules: tuple, params: Sequence[torch.Tensor], stand: Sequence[
     return DelayedWgrad(modules, tuple(sets), split, kept)
 
 
+def check_grads_as_captured(name: str, learned: DelayedWgrad, params: Sequence[torch.Tensor]) -> None:
+    """Before a weight-gradient pass (graphed or eager replay alike): the ``.grad`` state
+    its graph was captured for, where eager TE's choice depends on it."""
+    for i in learned.kept:
+        if params[i].grad is None:
+            raise RuntimeError(
+                f"{name}: backward_dw() found the .grad of a parameter its backward gave a "
+                f"gradient (shape {tuple(params[i].shape)}) set to None since; its graph was "
+                "captured with that gradient in place, where eager TE may decide otherwise. Leave "
+                "those gradients in place between the backward and backward_dw()."
+            )
+    for per_module in learned.sets:
+        for i, kind in per_module:
+            if kind == UNKNOWN and params[i].grad is not None:
+                raise RuntimeError(
+                    f"{name}: backward_dw() found a .grad (shape {tuple(params[i].shape)}) that only "
+                    "the weight-gradient pass sets already in place; with one warmup pass te_graph "
+                    "cannot tell whether eager TE would overwrite it or keep it. Set it to None "
+                    "first (zero_grad(set_to_none=True)), or graph with num_warmup_iters >= 2."
+                )
+
+
 class WgradReplay:
     """One graph's captured weight-gradient pass and what its replay does around it."""
 
     def __init__(self, name: str, learned: DelayedWgrad, params: Sequence[torch.Tensor], graph: Any,
                  outputs: Sequence[Sequence[torch.Tensor]]):
         self.name = name
-        self.modules = learned.modules
+        self.learned = learned
+        self.params = tuple(params)
         self.graph = graph
         # per module: (real parameter, kind, static gradient the graph writes)
         self.sets = tuple(
             tuple((params[i], kind, out) for (i, kind), out in zip(per_module, per_outputs))
             for per_module, per_outputs in zip(learned.sets, outputs)
         )
-        self.kept = tuple(params[i] for i in learned.kept)
 
     def run(self) -> None:
-        for p in self.kept:
-            if p.grad is None:
-                raise RuntimeError(
-                    f"{self.name}: backward_dw() found the .grad of a parameter its backward gave a "
-                    f"gradient (shape {tuple(p.shape)}) set to None since; its graph was captured with "
-                    "that gradient in place, where eager TE may decide otherwise. Leave those "
-                    "gradients in place between the backward and backward_dw()."
-                )
-        for per_module in self.sets:
-            for p, kind, _ in per_module:
-                if kind == UNKNOWN and p.grad is not None:
-                    raise RuntimeError(
-                        f"{self.name}: backward_dw() found a .grad (shape {tuple(p.shape)}) that only "
-                        "the weight-gradient pass sets already in place; with one warmup pass te_graph "
-                        "cannot tell whether eager TE would overwrite it or keep it. Set it to None "
-                        "first (zero_grad(set_to_none=True)), or graph with num_warmup_iters >= 2."
-                    )
+        check_grads_as_captured(self.name, self.learned, self.params)
         self.graph.replay()
-        for module, per_module in zip(self.modules, self.sets):
+        for module, per_module in zip(self.learned.modules, self.sets):
             for p, kind, out in per_module:
                 if kind == OVERWRITES or p.grad is None:
                     p.grad = out.clone()
@@ -168,41 +213,81 @@ class WgradReplay:
         if hasattr(self.graph, "reset"):
             self.graph.reset()
         self.graph = None
-        self.sets = ()
+        self.sets = self.params = ()
 
 
-class WgradQueue:
-    """The graphs of one graphed callable whose backward ran and whose ``backward_dw()`` has
-    not, oldest first (TE's queue of weight-gradient work, one per module)."""
+class WgradBook:
+    """The weight-gradient passes of one ``make_graphed_callables`` call that wait for their
+    ``backward_dw()``: per callable, oldest first (TE keeps one queue per module), each with
+    the clock tick of its backward.
 
-    def __init__(self) -> None:
-        self.waiting: collections.deque = collections.deque()
+    Checked before every replay, graphs and eager replay alike:
 
-    def check_free(self, runner: Any, what: str) -> None:
-        """Before ``runner``'s forward or backward: its last weight-gradient pass has run."""
-        if any(r is runner for r in self.waiting):
-            raise RuntimeError(
-                f"{runner.name}: {what} while the backward_dw() of its last backward has not run; "
-                "the weight-gradient pass reads the buffers this would overwrite. Call "
-                "backward_dw() after each backward, before the next call."
-            )
+    * ``backward_dw()`` takes the oldest backward of its callable (TE's queue pops it), and
+      no graph of another shape (``more_shapes``, same pool) replayed since its backward;
+    * a graph's next forward or backward waits for its own pass (the pass reads its
+      buffers);
+    * without an order, no forward replays while any pass waits: the passes are captured
+      after every backward, so a forward's memory may hold what they read. (With an order,
+      replays follow the order, which places each pass.)
+    """
 
-    def backward(self, runner: Any) -> None:
-        self.check_free(runner, "backward")
-        self.waiting.append(runner)
+    def __init__(self, ordered: bool) -> None:
+        self.ordered = ordered
+        self.waiting: dict[str, collections.deque] = collections.defaultdict(collections.deque)
 
-    def take(self, runner: Any) -> None:
-        """``runner``'s ``backward_dw()``: it must be the oldest waiting."""
-        if not any(r is runner for r in self.waiting):
+    def _waits(self, runner: Any) -> bool:
+        return any(r is runner for r, _ in self.waiting[runner.owner])
+
+    def check_forward(self, runner: Any) -> None:
+        if self._waits(runner):
+            raise RuntimeError(self._busy(runner, "forward"))
+        if not self.ordered:
+            for queue in self.waiting.values():
+                if queue:
+                    raise RuntimeError(
+                        f"{runner.name}: forward while the backward_dw() of {queue[0][0].name} has not "
+                        "run; without an order, run every waiting backward_dw() before the next "
+                        "forward (the weight-gradient passes are captured after every backward, so "
+                        "a forward may overwrite what they read)."
+                    )
+
+    def check_backward(self, runner: Any) -> None:
+        if self._waits(runner):
+            raise RuntimeError(self._busy(runner, "backward"))
+
+    @staticmethod
+    def _busy(runner: Any, what: str) -> str:
+        return (f"{runner.name}: {what} while the backward_dw() of its last backward has not run; the "
+                "weight-gradient pass reads the buffers this would overwrite. Call backward_dw() "
+                "after each backward, before the next call.")
+
+    def backward_done(self, runner: Any, tick: int) -> None:
+        self.waiting[runner.owner].append((runner, tick))
+
+    def check_take(self, runner: Any, tick: int) -> None:
+        """Before ``runner``'s ``backward_dw()``: it is the oldest of its callable waiting,
+        and no other shape's graphs replayed since its backward."""
+        queue = self.waiting[runner.owner]
+        if not self._waits(runner):
             raise RuntimeError(
                 f"{runner.name}: backward_dw() without a backward waiting for it; call it once "
                 "after each backward."
             )
-        if self.waiting[0] is not runner:
+        head, head_tick = queue[0]
+        if head is not runner:
             raise RuntimeError(
-                f"{runner.name}: backward_dw() out of order: the backward of "
-                f"{self.waiting[0].name} ran before this one's and still waits for its "
-                "backward_dw(); eager Transformer Engine would compute that one's weight "
-                "gradient here. Call backward_dw() in the order the backwards ran."
+                f"{runner.name}: backward_dw() out of order: the backward of {head.name} ran before "
+                "this one's and still waits for its backward_dw(); eager Transformer Engine would "
+                "compute that one's weight gradient here. Call backward_dw() in the order the "
+                "backwards ran."
             )
-        self.waiting.popleft()
+        if head_tick != tick:
+            raise RuntimeError(
+                f"{runner.name}: backward_dw() after graphs of another shape replayed since its "
+                "backward; they share its memory pool and may have overwritten what the "
+                "weight-gradient pass reads. Run backward_dw() before calls of another shape."
+            )
+
+    def taken(self, runner: Any) -> None:
+        self.waiting[runner.owner].popleft()

@@ -409,6 +409,7 @@ def test_a_wgrad_split_order_for_a_plain_module_is_not_implemented():
     ([1, -1, 1.5], [1], "order[2] = 1.5: only backward entries split; the weight-gradient pass of chunk c is -c-0.5 (after its backward -c). Forwards are positive ints."),
     ([1, -1, -1.25], [1], "order[2] = -1.25: the weight-gradient pass of chunk c is -c-0.5 (0.5 below its backward -c, as in TE), got -1.25."),
     ([1, 1, -1, -1.5, -1], [1], "order runs chunk 1's backward 2 time(s) but its weight-gradient pass (-1.5) 1 time(s); give every backward of a chunk with delayed weight gradients its own -1.5 entry."),
+    ([1, -1, float("nan")], [1], "order[2] = nan: entries are chunk ids (ints) or -c-0.5."),
 ])
 def test_bad_wgrad_split_orders_get_te_s_checks(order, layers, message):
     a = Lin()

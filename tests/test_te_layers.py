@@ -563,6 +563,38 @@ def test_backward_dw_calls_that_would_part_from_eager_te_are_refused(eager_repla
     mb0(x).sum().backward()  # the queue is free again
 
 
+def test_without_an_order_every_pass_runs_before_the_next_forward():
+    reseed(5)
+    layers = [te().Linear(H, H, params_dtype=torch.bfloat16, delay_wgrad_compute=True).cuda() for _ in range(2)]
+    samples = tuple((torch.randn(S, B, H, device="cuda", dtype=torch.bfloat16, requires_grad=True),) for _ in layers)
+    first, second = make_graphed_callables(tuple(layers), samples)
+    x = torch.randn(S, B, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    second(first(x)).sum().backward()
+    second.backward_dw()
+    with pytest.raises(RuntimeError, match=re.escape("forward while the backward_dw() of callable 0 (Linear) has not run; without an order, run every waiting backward_dw() before the next forward")):
+        second(x)
+    first.backward_dw()
+    second(first(x)).sum().backward()  # free again
+
+
+def test_te_state_that_graphing_would_take_or_shift_is_refused():
+    reseed(5)
+    x = torch.randn(S, B, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    busy = te().Linear(H, H, params_dtype=torch.bfloat16, delay_wgrad_compute=True).cuda()
+    busy(x).sum().backward()  # its backward_dw() not run yet
+    with pytest.raises(RuntimeError, match=re.escape("Linear (built with delay_wgrad_compute=True) holds 1 backward(s) waiting for backward_dw() when graphing starts")):
+        make_graphed_callables(busy, (x,))
+    busy.backward_dw()
+    fused = te().Linear(H, H, params_dtype=torch.bfloat16, fuse_wgrad_accumulation=True).cuda()
+    with pytest.raises(NotImplementedError, match=re.escape("callable 0 (Linear) is built with fuse_wgrad_accumulation=True")):
+        make_graphed_callables(fused, (x,))
+    shared = te().Linear(H, H, params_dtype=torch.bfloat16, delay_wgrad_compute=True).cuda()
+    twice = (nn.Sequential(shared), nn.Sequential(shared))
+    with pytest.raises(NotImplementedError, match=re.escape("Linear (delay_wgrad_compute=True) runs in both callable 0 (Sequential) and callable 1 (Sequential)")):
+        make_graphed_callables(twice, ((x,), (x.detach().clone().requires_grad_(),)))
+    assert all(p.grad is None for p in shared.parameters())
+
+
 def test_delayed_weight_gradients_need_their_passes_in_the_order():
     reseed(5)
     layer = te().Linear(H, H, params_dtype=torch.bfloat16, delay_wgrad_compute=True).cuda()
