@@ -457,8 +457,9 @@ def plan_buffer_reuse(
     """For each graph, the earlier graph whose static buffers its forward takes over.
 
     A graph's static input, output and grad buffers become free once its backward step has
-    run (been captured), or its weight-gradient step where it has one; a later forward, in step order, whose ``signatures[flat_index]``
-    equals the freed graph's takes them over, oldest freed first (FIFO per signature).
+    run (been captured), or its weight-gradient step where it has one; a later forward, in
+    step order, whose ``signatures[flat_index]`` equals the freed graph's takes them over,
+    oldest freed first (FIFO per signature).
     A graph that took over buffers passes them on again once its own backward has run,
     so the returned donor is the *immediate* previous holder; see
     :func:`resolve_buffer_owners` for the graph that first allocated them.

@@ -2,9 +2,10 @@
 
 ``num_warmup_iters`` passes, each forward followed at once by its backward (as torch's own
 warmup does) and, for Transformer Engine modules that delay their weight gradients, by
-their ``backward_dw()``, which teaches what that pass sets (``wgrad``): only one graph's activations are alive at a time, so warmup leaves little in
-the allocator's cache and capture starts from about the memory a step needs. Lazy
-initialisation (cuBLAS handles, autotuning) happens here, outside any graph.
+their ``backward_dw()``, which teaches what that pass sets (``wgrad``). Only one graph's
+activations are alive at a time, so warmup leaves little in the allocator's cache and
+capture starts from about the memory a step needs. Lazy initialisation (cuBLAS handles,
+autotuning) happens here, outside any graph.
 
 The first pass checks that nothing but the inputs and the modules' parameters requires
 grad and that no input is unused; the last pass (graphs only) records which random

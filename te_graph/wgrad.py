@@ -15,9 +15,9 @@ the module's wgrad accumulation-and-reduce hooks (Megatron registers them). te_g
   order's ``-c-0.5`` entries (replays then follow the order, as for forwards and
   backwards); without an order, after every backward, so that the passes may run in any
   order once their backward has (after the whole backward, or each at once, but all
-  before the next forward: :class:`WgradBook`). The passes share a pool of their own, and their
-  outputs are handed back to it (non-owning aliases): a pass's gradients are copied out
-  right after its replay, before any other pass runs.
+  before the next forward: :class:`WgradBook`). The passes share a pool of their own,
+  and their outputs are handed back to it (non-owning aliases): a pass's gradients are
+  copied out right after its replay, before any other pass runs.
 * **Replay** (:class:`WgradReplay`) replays that graph, then does what ``backward_dw()``'s
   Python did, module by module: sets each ``.grad`` where eager TE would (a copy: eager
   hands out a new tensor each time) and runs the module's hooks. Eager replay calls the
@@ -26,9 +26,9 @@ the module's wgrad accumulation-and-reduce hooks (Megatron registers them). te_g
   takes the oldest backward of its callable still waiting for it, as TE's queue does; a
   graph's next forward or backward waits until then (the pass reads that graph's buffers),
   and without an order every forward waits for every pass.
-* **TE's queues** must be empty when graphing starts (:func:`check_no_queued_work`), hold
-  one item per module after each warmup or captured backward, and are emptied if graphing
-  fails (:func:`drop_queued_work`).
+* **TE's queues** must be empty when graphing starts and after each warmup pass (a module
+  run twice in one forward would leave work behind: :func:`check_no_queued_work`), and
+  are emptied if graphing fails (:func:`drop_queued_work`).
 """
 from __future__ import annotations
 
