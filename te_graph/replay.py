@@ -27,7 +27,7 @@ from . import compat
 from .te_support import accepts_is_first_microbatch
 from .grads import grads_redirected
 from .records import CapturedGraph, GraphSpec, WarmupRecord
-from .wgrad import WgradBook, check_grads_as_captured, run_backward_dw
+from .wgrad import WgradBook, check_grads_as_captured, check_still_delayed, run_backward_dw
 
 __all__ = ["ReplayOptions", "Clock", "NO_CLOCK", "Runner", "GraphRunner", "EagerRunner", "run", "shapes_text"]
 
@@ -246,6 +246,8 @@ class GraphRunner(Runner):
         graph = self.graph
         if self.wgrad_book is not None:
             self.wgrad_book.check_forward(self)
+            if self.has_wgrad:
+                check_still_delayed(self.name, graph.wgrad.learned)
         fp8_first = graph.fp8.before_forward(self.name, is_first_microbatch)
         self._copy_inputs(inputs)
         copy_grads = tuple(map(self._grad_copied, inputs, graph.static_grad_inputs)) if with_backward else ()
@@ -330,6 +332,8 @@ class EagerRunner(Runner):
         spec = self.spec
         if self.wgrad_book is not None:
             self.wgrad_book.check_forward(self)
+            if self.has_wgrad:
+                check_still_delayed(self.name, self.wgrad)
         self.fp8.before_forward(self.name, is_first_microbatch)
         self._copy_inputs(inputs)
         tick = self.clock.forward(self.variant, self.shape)

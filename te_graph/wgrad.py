@@ -42,7 +42,7 @@ import torch
 __all__ = [
     "OVERWRITES", "SETS_IF_NONE", "UNKNOWN", "DelayedWgrad", "delayed_wgrad_modules", "learn_wgrad",
     "run_backward_dw", "wgrad_hooks_held", "check_grads_as_captured", "WgradReplay", "WgradBook",
-    "delayed_modules_in", "check_no_queued_work", "drop_queued_work",
+    "delayed_modules_in", "check_no_queued_work", "drop_queued_work", "check_still_delayed",
 ]
 
 OVERWRITES = "overwrites"  # backward_dw sets .grad whatever it held (a weight)
@@ -161,6 +161,19 @@ def learn_wgrad(modules: tuple, params: Sequence[torch.Tensor], stand: Sequence[
     replaced = {i for per_module in sets for i, _ in per_module}
     kept = tuple(i for i in sorted(touched - replaced) if getattr(params[i], "skip_backward_post_hook", False))
     return DelayedWgrad(modules, tuple(sets), split, kept)
+
+
+def check_still_delayed(name: str, learned: DelayedWgrad) -> None:
+    """Before a forward (graphed or eager replay alike): the modules still delay their
+    weight gradients, as when the graphs were captured (TE's
+    ``wgrad_store.disable_delay_wgrad_compute()`` would put them back in the backward)."""
+    for m in learned.modules:
+        if not m.need_backward_dw():
+            raise RuntimeError(
+                f"{name}: {type(m).__name__} no longer delays its weight gradients "
+                "(delay_wgrad_compute was switched off after graphing); its graphs leave them to "
+                "backward_dw(). Switch it back on, or graph the module again."
+            )
 
 
 def check_grads_as_captured(name: str, learned: DelayedWgrad, params: Sequence[torch.Tensor]) -> None:

@@ -560,6 +560,10 @@ def test_backward_dw_calls_that_would_part_from_eager_te_are_refused(eager_repla
         mb0(x)
     mb0.backward_dw()
     mb1.backward_dw()
+    layer.wgrad_store.disable_delay_wgrad_compute()
+    with pytest.raises(RuntimeError, match=re.escape("Linear no longer delays its weight gradients (delay_wgrad_compute was switched off after graphing)")):
+        mb0(x)
+    layer.wgrad_store.enable_delay_wgrad_compute()
     mb0(x).sum().backward()  # the queue is free again
 
 
