@@ -27,7 +27,7 @@ from . import compat
 from .te_support import accepts_is_first_microbatch
 from .grads import grads_redirected
 from .records import CapturedGraph, GraphSpec, WarmupRecord
-from .wgrad import WgradBook, check_grads_as_captured, check_still_delayed, run_backward_dw
+from .wgrad import DelayedWgrad, WgradBook, check_grads_as_captured, check_still_delayed, run_backward_dw
 
 __all__ = ["ReplayOptions", "Clock", "NO_CLOCK", "Runner", "GraphRunner", "EagerRunner", "run", "shapes_text"]
 
@@ -110,12 +110,13 @@ class Runner:
     non_differentiable: tuple[int, ...] = ()
 
     def __init__(self, spec: GraphSpec, clock: Any, variant: int, updated: tuple[int, ...],
-                 wgrad_book: Optional[WgradBook] = None, has_wgrad: bool = False):
+                 wgrad_book: Optional[WgradBook] = None, wgrad: Optional[DelayedWgrad] = None):
         self.name = spec.name
         self.owner = spec.owner
         # The call's weight-gradient passes waiting (``wgrad``); None where it has none.
         self.wgrad_book = wgrad_book
-        self.has_wgrad = has_wgrad
+        self.wgrad = wgrad  # what warmup learned of its weight-gradient pass; None without one
+        self.has_wgrad = wgrad is not None
         self.updated = updated  # inputs the forward updates in place (warmup found them)
         self.variant = variant
         self.layout = spec.layout
@@ -141,6 +142,12 @@ class Runner:
 
     def _run_wgrad(self) -> None:
         raise NotImplementedError
+
+    def _before_forward(self) -> None:
+        if self.wgrad_book is not None:
+            self.wgrad_book.check_forward(self)
+            if self.has_wgrad:
+                check_still_delayed(self.name, self.wgrad)
 
     def _before_backward(self, invocation: Invocation) -> None:
         if self.has_wgrad:
@@ -199,7 +206,8 @@ class GraphRunner(Runner):
 
     def __init__(self, spec: GraphSpec, graph: CapturedGraph, options: ReplayOptions, clock: Any = NO_CLOCK, variant: int = 0,
                  wgrad_book: Optional[WgradBook] = None):
-        super().__init__(spec, clock, variant, graph.updated_inputs, wgrad_book, graph.wgrad is not None)
+        super().__init__(spec, clock, variant, graph.updated_inputs, wgrad_book,
+                         graph.wgrad.learned if graph.wgrad is not None else None)
         self.graph = graph
         if graph.param_grads is not None:
             self.params = graph.param_grads.params  # less those only the weight-gradient pass sets
@@ -244,10 +252,7 @@ class GraphRunner(Runner):
     def forward(self, inputs: tuple[torch.Tensor, ...], through_autograd: bool, with_backward: bool = True,
                 is_first_microbatch: Any = None) -> tuple[Invocation, tuple]:
         graph = self.graph
-        if self.wgrad_book is not None:
-            self.wgrad_book.check_forward(self)
-            if self.has_wgrad:
-                check_still_delayed(self.name, graph.wgrad.learned)
+        self._before_forward()
         fp8_first = graph.fp8.before_forward(self.name, is_first_microbatch)
         self._copy_inputs(inputs)
         copy_grads = tuple(map(self._grad_copied, inputs, graph.static_grad_inputs)) if with_backward else ()
@@ -304,7 +309,7 @@ class GraphRunner(Runner):
         if self.graph.wgrad is not None:
             self.graph.wgrad.reset()
         self.graph = None
-        self.has_wgrad = False
+        self.wgrad, self.has_wgrad = None, False
         self.static_inputs = self.static_outputs = ()
         self.input_slots = self.grad_output_slots = ()
         self.output = None
@@ -315,8 +320,7 @@ class EagerRunner(Runner):
 
     def __init__(self, spec: GraphSpec, warmup: WarmupRecord, fp8: Any, clock: Any = NO_CLOCK, variant: int = 0,
                  wgrad_book: Optional[WgradBook] = None):
-        super().__init__(spec, clock, variant, warmup.updated, wgrad_book, warmup.wgrad is not None)
-        self.wgrad = warmup.wgrad
+        super().__init__(spec, clock, variant, warmup.updated, wgrad_book, warmup.wgrad)
         self.spec = spec
         self.fp8 = fp8  # the checks an FP8 graph's calls get (te_support.fp8_replay)
         self.takes_first_microbatch = accepts_is_first_microbatch(spec.call)
@@ -330,10 +334,7 @@ class EagerRunner(Runner):
     def forward(self, inputs: tuple[torch.Tensor, ...], through_autograd: bool, with_backward: bool = True,
                 is_first_microbatch: Any = None) -> tuple[Invocation, tuple]:
         spec = self.spec
-        if self.wgrad_book is not None:
-            self.wgrad_book.check_forward(self)
-            if self.has_wgrad:
-                check_still_delayed(self.name, self.wgrad)
+        self._before_forward()
         self.fp8.before_forward(self.name, is_first_microbatch)
         self._copy_inputs(inputs)
         tick = self.clock.forward(self.variant, self.shape)
@@ -370,7 +371,7 @@ class EagerRunner(Runner):
         self.spec = None
         self.static_inputs = self.input_slots = ()
         self.output = None
-        self.has_wgrad = False
+        self.wgrad, self.has_wgrad = None, False
 
 
 class _Slot:

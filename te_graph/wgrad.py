@@ -67,12 +67,8 @@ def delayed_wgrad_modules(modules: Sequence[Any]) -> tuple:
 
 def delayed_modules_in(modules: Sequence[Any]) -> list:
     """Every submodule of ``modules`` that delays its weight gradients (a TE module)."""
-    found: dict[int, Any] = {}
-    for module in modules:
-        for m in module.modules() if isinstance(module, torch.nn.Module) else ():
-            if callable(getattr(m, "need_backward_dw", None)) and m.need_backward_dw():
-                found.setdefault(id(m), m)
-    return list(found.values())
+    subs = {id(m): m for module in modules if isinstance(module, torch.nn.Module) for m in module.modules()}
+    return list(delayed_wgrad_modules(list(subs.values())))
 
 
 def _queued(module: Any) -> Any:
