@@ -8,13 +8,14 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
+import torch.utils._pytree as pytree
 
 from .checks import check_sample_kwargs
 from .graphed import graphed_callable_of
 from .hooks import normalise_capture_time_hooks
 from .te_support import FP8Options
 from .options import GraphOptions
-from .records import GraphSpec, make_spec
+from .records import GraphSpec, SampleMemory, make_spec
 from .schedule import Schedule
 
 __all__ = ["Samples", "call_form", "sample_sets", "make_specs", "pool_handle", "largest_first"]
@@ -71,6 +72,8 @@ def make_specs(
     hooks = normalise_capture_time_hooks(options.capture_time_hooks, owners)
     grad_enabled = torch.is_grad_enabled()
     ordered = options.order is not None
+    memory = SampleMemory()
+    shared = _shared_parameters(callables)
     spec_sets = [
         [
             make_spec(
@@ -83,6 +86,8 @@ def make_specs(
                 options.retain_graph_in_backward,
                 hooks[slot.callable_index],
                 fp8.enabled[slot.callable_index],
+                memory,
+                shared,
             )
             for slot in schedule.graphs
         ]
@@ -90,6 +95,17 @@ def make_specs(
     ]
     _check_distinct_shapes(spec_sets)
     return spec_sets
+
+
+def _shared_parameters(callables: Sequence[Callable]) -> frozenset:
+    """Ids of the trainable parameters that more than one callable holds (tied weights)."""
+    seen: dict[int, int] = {}
+    for index, c in enumerate(callables):
+        if isinstance(c, torch.nn.Module):
+            for p in c.parameters():
+                if p.requires_grad and seen.setdefault(id(p), index) != index:
+                    seen[id(p)] = -1
+    return frozenset(key for key, owner in seen.items() if owner == -1)
 
 
 def largest_first(spec_sets: Sequence[Sequence[GraphSpec]]) -> list[int]:
@@ -142,7 +158,7 @@ def _same_keywords(normalised: list[tuple[tuple, tuple]], plain: list[bool]) -> 
     result = [normalised[0]]
     for number, ((args, kwargs), no_kwargs) in enumerate(zip(normalised[1:], plain[1:]), start=1):
         if no_kwargs and any(base_kwargs):
-            if any(isinstance(v, torch.Tensor) for k in base_kwargs for v in k.values()):
+            if any(isinstance(leaf, torch.Tensor) for k in base_kwargs for leaf in pytree.tree_leaves(k)):
                 raise ValueError(
                     f"make_graphed_callables: more_shapes entry {number - 1} has no sample kwargs, "
                     "but sample_kwargs holds tensors, whose shapes follow the sample set; give "
@@ -150,21 +166,35 @@ def _same_keywords(normalised: list[tuple[tuple, tuple]], plain: list[bool]) -> 
                 )
             kwargs = base_kwargs
         for slot, (mine, base) in enumerate(zip(kwargs, base_kwargs)):
-            constants = {k: v for k, v in base.items() if not isinstance(v, torch.Tensor)}
-            same_constants = all(
-                key in mine and not isinstance(mine[key], torch.Tensor) and mine[key] == value
-                for key, value in constants.items()
-            )
-            if mine.keys() != base.keys() or not same_constants:
+            if mine.keys() != base.keys() or _constants_of(mine) != _constants_of(base):
                 raise ValueError(
                     f"make_graphed_callables: the sample kwargs of more_shapes entry {number - 1} "
-                    f"(graph {slot}) have keys {sorted(mine)} and constants "
-                    f"{ {k: v for k, v in mine.items() if not isinstance(v, torch.Tensor)} }, but "
-                    f"sample_kwargs has {sorted(base)} and {constants}; every shape must take the "
-                    "same keywords and the same constant values (only tensor shapes may differ)."
+                    f"(graph {slot}) have keys {sorted(mine)} and constants {_constants_of(mine)}, but "
+                    f"sample_kwargs has {sorted(base)} and {_constants_of(base)}; every shape must take "
+                    "the same keywords and the same constant values (only tensor shapes may differ)."
                 )
         result.append((args, kwargs))
     return result
+
+
+def _constants_of(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """The non-tensor part of sample kwargs: each keyword that is not a tensor, with the
+    tensors inside it drawn as ``*`` (comparable with ``==``, printable in an error)."""
+    return {
+        key: pytree.tree_map(lambda leaf: _TensorLeaf() if isinstance(leaf, torch.Tensor) else leaf, value)
+        for key, value in kwargs.items()
+        if not isinstance(value, torch.Tensor)
+    }
+
+
+class _TensorLeaf:
+    """A tensor's place in a nested keyword value, for comparing and printing the rest."""
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _TensorLeaf)
+
+    def __repr__(self) -> str:
+        return "*"
 
 
 def _check_distinct_shapes(spec_sets: list[list[GraphSpec]]) -> None:

@@ -39,14 +39,18 @@ class _Leaf:
 
 
 class InputLayout:
-    """Positional args (pytrees of tensors) and keyword args (tensors or constants).
+    """Positional args (pytrees of tensors) and keyword args (pytrees of tensors and
+    constants: a tensor, ``None``, a flag, a tuple ``(cos, sin)``, a dict of tensors).
 
-    The tensors, positional first then keyword in a fixed key order, are the graph's
-    static inputs. Non-tensor keyword values are part of the capture: at replay they must
-    equal their capture-time values.
+    The tensors, positional first then each keyword's tensor leaves in a fixed key order,
+    are the graph's static inputs. Every non-tensor leaf of a keyword is part of the
+    capture: at replay it must equal its capture-time value. A keyword the callable
+    declares with a default of ``None`` may be left out of the call when it was ``None``
+    at capture, or passed as ``None`` when it was left out: the call is then the captured
+    one (Megatron passes every optional keyword, mostly ``None``; ``optional`` names them).
     """
 
-    def __init__(self, name: str, args: Sequence[Any], kwargs: Mapping[str, Any]):
+    def __init__(self, name: str, args: Sequence[Any], kwargs: Mapping[str, Any], optional: frozenset = frozenset()):
         self.name = name
         leaves, self.args_spec = pytree.tree_flatten(tuple(args))
         for index, leaf in enumerate(leaves):
@@ -59,13 +63,35 @@ class InputLayout:
         self.flat_args = self.args_spec == pytree.tree_flatten(tuple(leaves))[1]
         self.num_args = len(leaves)
         self.kw_keys = tuple(kwargs)
+        self.optional = frozenset(optional)
+        # Per keyword: a tensor (fast path), a constant, or a nested value (its tree
+        # structure and its constant leaves; its tensor leaves are static inputs).
         self.tensor_keys = tuple(k for k in self.kw_keys if isinstance(kwargs[k], torch.Tensor))
-        self.constants = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
-        self.samples: tuple[torch.Tensor, ...] = tuple(leaves) + tuple(
-            kwargs[k] for k in self.tensor_keys
-        )
+        self.constants: dict[str, Any] = {}
+        self.nested: dict[str, tuple[Any, tuple]] = {}  # key -> (spec, leaves, _TENSOR for a tensor)
+        kw_tensors: list[torch.Tensor] = []
+        self._labels: list[str] = [f"positional input {i}" for i in range(self.num_args)]
+        for key in self.kw_keys:
+            value = kwargs[key]
+            if isinstance(value, torch.Tensor):
+                kw_tensors.append(value)
+                self._labels.append(f"keyword argument {key!r}")
+                continue
+            value_leaves, spec = pytree.tree_flatten(value)
+            if spec.is_leaf():  # a constant: None, a flag, a number, a string
+                self.constants[key] = value
+                continue
+            shape = tuple(_TENSOR if isinstance(v, torch.Tensor) else v for v in value_leaves)
+            self.nested[key] = (spec, shape)
+            for position, v in enumerate(value_leaves):
+                if isinstance(v, torch.Tensor):
+                    kw_tensors.append(v)
+                    self._labels.append(f"keyword argument {key!r} (leaf {position} of {_structure(spec)})")
+        self._kw_order = tuple(k for k in self.kw_keys if k not in self.constants)
+        self.samples: tuple[torch.Tensor, ...] = tuple(leaves) + tuple(kw_tensors)
         self._meta = tuple((t.shape, t.dtype, t.device, t.requires_grad) for t in self.samples)
         self._kw_set = frozenset(self.kw_keys)
+        self._plain_kwargs = not self.nested
 
     def flatten(self, args: tuple, kwargs: Mapping[str, Any]) -> list[torch.Tensor]:
         """The call's tensors in static-input order, after checking they fit the capture."""
@@ -93,26 +119,71 @@ class InputLayout:
                 )
             tensors = leaves
         if kwargs.keys() != self._kw_set:
-            raise ValueError(
-                f"{self.name}: called with keyword arguments {sorted(kwargs)}, but the graph was "
-                f"captured with {sorted(self.kw_keys)}; pass the same keywords as sample_kwargs."
-            )
+            kwargs = self._as_captured(kwargs)
         for key, value in self.constants.items():
             now = kwargs[key]
             if now is not value and (isinstance(now, torch.Tensor) or now != value):
+                raise self._constant_changed(repr(key), now, value)
+        if self._plain_kwargs:
+            for key in self.tensor_keys:
+                tensors.append(kwargs[key])
+            return tensors
+        for key in self._kw_order:
+            value = kwargs[key]
+            if key not in self.nested:
+                tensors.append(value)
+                continue
+            spec, captured = self.nested[key]
+            leaves, now_spec = pytree.tree_flatten(value)
+            if now_spec != spec:
                 raise ValueError(
-                    f"{self.name}: keyword argument {key!r} is {describe_value(now)} but was "
-                    f"{describe_value(value)} at capture; non-tensor keyword arguments are baked "
-                    "into the graph. Pass the captured value, or pass this argument as a tensor "
-                    "(tensors are inputs the graph reads at every call)."
+                    f"{self.name}: keyword argument {key!r} is shaped {_structure(now_spec)} "
+                    f"but was {_structure(spec)} at capture (* = a leaf); pass it in the "
+                    "captured structure."
                 )
-        for key in self.tensor_keys:
-            tensors.append(kwargs[key])
+            for position, (now, then) in enumerate(zip(leaves, captured)):
+                if then is _TENSOR:  # checked with the other tensors (``check``)
+                    tensors.append(now)
+                elif now is not then and (isinstance(now, torch.Tensor) or now != then):
+                    raise self._constant_changed(f"{key!r} (leaf {position} of {_structure(spec)})", now, then)
         return tensors
+
+    def _as_captured(self, kwargs: Mapping[str, Any]) -> Mapping[str, Any]:
+        """``kwargs`` with the keywords that differ from the capture's only by a ``None`` the
+        callable defaults to dropped or added; anything else is refused."""
+        extra = kwargs.keys() - self._kw_set
+        missing = self._kw_set - kwargs.keys()
+        droppable = {k for k in extra if kwargs[k] is None and k in self.optional}
+        addable = {k for k in missing if k in self.optional and self.constants.get(k, _ABSENT) is None}
+        if extra - droppable or missing - addable:
+            hint = ""
+            if extra - droppable:
+                hint = (
+                    f" Keywords left out at capture are accepted only as None where the "
+                    f"callable defaults them to None; {sorted(extra - droppable)} are not."
+                )
+            raise ValueError(
+                f"{self.name}: called with keyword arguments {sorted(kwargs)}, but the graph was "
+                f"captured with {sorted(self.kw_keys)}; pass the same keywords as sample_kwargs."
+                + hint
+            )
+        result = {k: v for k, v in kwargs.items() if k not in droppable}
+        result.update(dict.fromkeys(addable))
+        return result
+
+    def _constant_changed(self, key: str, now: Any, value: Any) -> ValueError:
+        return ValueError(
+            f"{self.name}: keyword argument {key} is {describe_value(now)} but was "
+            f"{describe_value(value)} at capture; non-tensor keyword arguments are baked "
+            "into the graph. Pass the captured value, or pass this argument as a tensor "
+            "(tensors are inputs the graph reads at every call)."
+        )
 
     def check(self, tensors: Sequence[Any]) -> None:
         """Each tensor has the shape, dtype and device of its sample, and requires grad only
         where its sample did."""
+        if len(tensors) != len(self._meta):
+            self._raise_mismatch(tensors)
         for t, (shape, dtype, device, grad) in zip(tensors, self._meta):
             # One check per tensor on the hot path; the slow path says what differs.
             if not (
@@ -131,19 +202,26 @@ class InputLayout:
                     "the graph computes no gradient for it. Capture with a sample that requires "
                     "grad (the requires_grad of each sample must match the real inputs)."
                 )
+        raise ValueError(f"{self.name}: called with {len(tensors)} tensors, but the graph was captured with {len(self._meta)}.")
 
     def unflatten(self, tensors: Sequence[torch.Tensor]) -> tuple[tuple, dict]:
         """Inverse of ``flatten``: call arguments built from static-input tensors."""
         args = pytree.tree_unflatten(list(tensors[: self.num_args]), self.args_spec)
-        kwargs = dict(self.constants)
-        kwargs.update(zip(self.tensor_keys, tensors[self.num_args :]))
-        return args, {k: kwargs[k] for k in self.kw_keys}
+        rest = iter(tensors[self.num_args:])
+        kwargs: dict[str, Any] = {}
+        for key in self.kw_keys:
+            if key in self.constants:
+                kwargs[key] = self.constants[key]
+            elif key in self.nested:
+                spec, captured = self.nested[key]
+                kwargs[key] = pytree.tree_unflatten([next(rest) if c is _TENSOR else c for c in captured], spec)
+            else:
+                kwargs[key] = next(rest)
+        return args, kwargs
 
     def label(self, index: int) -> str:
         """How error messages name static input ``index``."""
-        if index < self.num_args:
-            return f"positional input {index}"
-        return f"keyword argument {self.tensor_keys[index - self.num_args]!r}"
+        return self._labels[index]
 
     def _mismatch(self, index: int, t: Any) -> ValueError:
         got = describe(t) if isinstance(t, torch.Tensor) else type(t).__name__
@@ -152,6 +230,10 @@ class InputLayout:
             f"{describe(self.samples[index])}. A graph replays fixed shapes: pass a matching "
             "tensor or capture a graph for this shape."
         )
+
+
+_ABSENT = object()
+_TENSOR = object()  # marks a tensor leaf among a nested keyword's captured leaves
 
 
 class OutputLayout:
@@ -169,14 +251,21 @@ class OutputLayout:
         self.leaves = list(leaves)
         self.single = isinstance(outputs, torch.Tensor)
         self.flat_tuple = isinstance(outputs, tuple) and self.spec == pytree.tree_flatten(tuple(leaves))[1]
-        self.tensors: tuple[torch.Tensor, ...] = tuple(leaves[i] for i in self.tensor_slots)
+        # A tensor returned in several places is one output (one autograd output, so the
+        # gradients of all its uses are summed as eager sums them): ``picks`` gives, per
+        # tensor slot, which of ``tensors`` fills it.
+        first: dict[int, int] = {}
+        self.picks = tuple(first.setdefault(id(leaves[i]), len(first)) for i in self.tensor_slots)
+        unique = {id(leaves[i]): leaves[i] for i in self.tensor_slots}
+        self.tensors: tuple[torch.Tensor, ...] = tuple(unique.values())
+        self._plain = self.picks == tuple(range(len(self.tensor_slots)))
         self.devices = tuple(t.device for t in self.tensors)  # kept when the memory is not
 
     def with_tensors(self, tensors: Sequence[torch.Tensor]) -> "OutputLayout":
         """The same layout with ``tensors`` as its output tensors (a new object)."""
         leaves = list(self.leaves)
-        for slot, t in zip(self.tensor_slots, tensors):
-            leaves[slot] = t
+        for slot, pick in zip(self.tensor_slots, self.picks):
+            leaves[slot] = tensors[pick]
         clone = object.__new__(OutputLayout)
         clone.__dict__.update(self.__dict__, leaves=leaves, tensors=tuple(tensors))
         return clone
@@ -198,13 +287,18 @@ class OutputLayout:
                 f"graphed callable returned structure {spec}, but {self.spec} at capture; a "
                 "graphed callable must return the same structure every call."
             )
-        return tuple(leaves[i] for i in self.tensor_slots)
+        if self._plain:
+            return tuple(leaves[i] for i in self.tensor_slots)
+        unique = {pick: leaves[slot] for slot, pick in zip(self.tensor_slots, self.picks)}
+        return tuple(unique[i] for i in range(len(self.tensors)))
 
     def build(self, tensors: Sequence[torch.Tensor]) -> Any:
         """The callable's return value with ``tensors`` in place of the captured ones."""
         if self.single:
             return tensors[0]
         leaves = list(self.leaves)
+        if not self._plain:
+            tensors = [tensors[pick] for pick in self.picks]
         for slot, t in zip(self.tensor_slots, tensors):
             leaves[slot] = t
         if self.flat_tuple:

@@ -9,6 +9,7 @@ warmup records, ``plan`` the plans and ``capture`` the captured graphs.
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -21,7 +22,7 @@ from .layout import InputLayout, OutputLayout
 from .recompute_rng import StreamUse
 from .wgrad import DelayedWgrad
 
-__all__ = ["GraphSpec", "make_spec", "WarmupRecord", "CapturedGraph"]
+__all__ = ["GraphSpec", "make_spec", "SampleMemory", "none_default_keywords", "WarmupRecord", "CapturedGraph"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,10 @@ class GraphSpec:
     hooks: Optional[CaptureTimeHooks] = None
     fp8: bool = False  # runs under Transformer Engine's FP8 autocast (``te_support``)
     has_te: bool = False  # holds Transformer Engine modules
+    # Parameters (indices into ``params``) another callable uses too: a tied weight, whose
+    # gradients always go through autograd (``grads``), so that every use's gradient is
+    # summed before it reaches .grad, as eager autograd sums them.
+    tied_params: frozenset = frozenset()
 
     @property
     def grad_inputs(self) -> tuple[torch.Tensor, ...]:
@@ -57,26 +62,74 @@ def make_spec(
     retain_graph: bool,
     hooks: Optional[CaptureTimeHooks] = None,
     fp8: bool = False,
+    memory: Optional["SampleMemory"] = None,
+    shared: frozenset = frozenset(),
 ) -> GraphSpec:
-    """Static inputs are detached leaves sharing the sample tensors' memory.
+    """``shared``: ids of the parameters that several callables use.
+
+    Static inputs are detached leaves sharing the sample tensors' memory, except where
+    that memory is already another static input's (``SampleMemory``).
 
     A backward graph is captured when grad is enabled and something requires grad (an
     input or a parameter), in train and in eval mode alike, as eager autograd would
     differentiate either; graphing under ``torch.no_grad()`` makes forward-only graphs.
     """
-    layout = InputLayout(name, args, kwargs)
+    call = func.forward if isinstance(func, torch.nn.Module) else func
+    layout = InputLayout(name, args, kwargs, none_default_keywords(call))
     params: tuple = ()
     training = True
     if isinstance(func, torch.nn.Module):
         params = tuple(p for p in func.parameters() if p.requires_grad)
         training = func.training
     needs_backward = grad_enabled and (any(t.requires_grad for t in layout.samples) or bool(params))
-    static = tuple(t.detach().requires_grad_(t.requires_grad and needs_backward) for t in layout.samples)
-    call = func.forward if isinstance(func, torch.nn.Module) else func
+    own = memory.own if memory is not None else (lambda t: t)
+    static = tuple(own(t.detach()).requires_grad_(t.requires_grad and needs_backward) for t in layout.samples)
+    tied = frozenset(i for i, p in enumerate(params) if id(p) in shared)
     return GraphSpec(
         name, owner, func, call, layout, static, params, training, needs_backward, retain_graph, hooks,
-        fp8, te_modules_in(func),
+        fp8, te_modules_in(func), tied,
     )
+
+
+class SampleMemory:
+    """The memory the static inputs of one ``make_graphed_callables`` call take.
+
+    A static input is its sample's memory, so that a call passing the sample itself copies
+    nothing. Where two samples share memory (one tensor as every layer's sample, one mask
+    in every layer's kwargs, views of one buffer), their graphs would share one static
+    buffer, and a call of one would overwrite what another's backward (its recompute)
+    still reads; so each later one in the same storage gets a copy of its own. A sample
+    whose elements overlap each other (an expanded tensor) cannot take a copy-in: it gets a
+    contiguous copy.
+    """
+
+    def __init__(self) -> None:
+        self._taken: set[tuple[torch.device, int]] = set()  # (device, storage address)
+
+    def own(self, t: torch.Tensor) -> torch.Tensor:
+        if t.numel() == 0 or t.device.type == "meta":
+            return t
+        if torch._debug_has_internal_overlap(t) == 1:  # 1: its elements overlap (0 no, 2 unknown)
+            t = t.contiguous()
+        key = (t.device, t.untyped_storage().data_ptr())
+        if key in self._taken:
+            # Another static input lives in this storage: even disjoint views of one storage
+            # share a version counter, which autograd reads.
+            t = t.clone()
+            key = (t.device, t.untyped_storage().data_ptr())
+        self._taken.add(key)
+        return t
+
+
+def none_default_keywords(call: Callable) -> frozenset:
+    """The keyword parameters ``call`` declares with a default of ``None`` (a call may then
+    leave them out, or pass None, where they were None at capture)."""
+    try:
+        parameters = inspect.signature(call).parameters.values()
+    except (TypeError, ValueError):  # builtins and C callables may have no signature
+        return frozenset()
+    keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return frozenset(p.name for p in parameters if p.kind in keyword and p.default is None)
 
 
 @dataclass(frozen=True)
@@ -90,6 +143,9 @@ class WarmupRecord:
     forward_draws: Optional[StreamUse] = None  # last pass, graphs only: streams drawn from
     backward_draws: Optional[StreamUse] = None
     wgrad: Optional[DelayedWgrad] = None  # TE modules that delay their weight gradients
+    # Parameters (indices into the spec's) that got no gradient in the first backward: eager
+    # autograd leaves their .grad alone, and so do the graphs.
+    unused_params: frozenset = frozenset()
 
 
 @dataclass(frozen=True)
