@@ -16,7 +16,8 @@ import rng
 from . import checks
 from .arguments import Samples, call_form, largest_first, make_specs, pool_handle, sample_sets
 from .capture import CaptureOptions, Prepared, prepare_graphs
-from .te_support import FP8Options, fp8_options, fp8_replay
+from .frozen import fingerprints
+from .te_support import FP8Options, fp8_options, fp8_replay, is_te_module
 from .graphed import GraphedCallable, graphed_callable_of, install_on_module
 from .options import GraphOptions, eager_replay_default, graph_options
 from .records import GraphSpec
@@ -145,6 +146,8 @@ def make_graphed_callables(
     fp8 = fp8_options(dict(options.fp8_arguments), callables_)
     checks.check_environment(options.eager_replay)
     checks.check_modules(callables_)
+    if single and options.order is None:
+        checks.check_not_over_nested(callables_[0], sample_args)
     sets = sample_sets(sample_args, sample_kwargs, options.more_shapes, single and options.order is None, len(callables_))
 
     # 3. Plan: the graphs and the sequence their forwards and backwards run in.
@@ -180,7 +183,9 @@ def reset(*graphed: Any) -> None:
     when given all it returned. With no argument, the process-wide teardown
     (``resources.RESOURCES.teardown()``): every graphed callable of the process, and the
     capture streams and gradient buffers te_graph keeps (later captures make new ones).
-    Pool memory goes back once no graph uses it; later calls of freed callables raise.
+    Pool memory goes back once no graph uses it; later calls of freed callables raise, and
+    a graphed module gets its eager forward back (a module not graphed is left alone), so
+    it can be graphed again.
 
     Call it before ``torch.distributed.destroy_process_group()``: destroying a process
     group while graphs that captured its NCCL collectives are alive hangs both ranks
@@ -194,6 +199,8 @@ def reset(*graphed: Any) -> None:
             reset(*obj)
             continue
         callable_ = graphed_callable_of(obj)
+        if callable_ is None and isinstance(obj, torch.nn.Module):
+            continue  # a module not graphed (any more): its forward is its own
         if callable_ is None:
             raise TypeError(
                 f"te_graph.reset(): {type(obj).__name__} is not a graphed callable or a module "
@@ -226,7 +233,7 @@ def _in_given_order(prepared: Prepared, order: list[int]) -> Prepared:
     def back(per_set: Optional[list]) -> Optional[list]:
         return None if per_set is None else [per_set[position[i]] for i in range(len(order))]
 
-    return Prepared(back(prepared.warmups), back(prepared.plans), back(prepared.captured))
+    return Prepared(back(prepared.warmups), back(prepared.plans), back(prepared.captured), prepared.runtime_attributes)
 
 
 def _wrap(spec_sets: list[list[GraphSpec]], prepared: Prepared, options: GraphOptions, pool: Any,
@@ -237,6 +244,9 @@ def _wrap(spec_sets: list[list[GraphSpec]], prepared: Prepared, options: GraphOp
         clone_param_grads=options.clone_param_grads_on_return,
     )
     clock = Clock() if len(spec_sets) > 1 else NO_CLOCK
+    # What each graph froze, checked at every call (``frozen``).
+    frozen = fingerprints([s.name for s in spec_sets[0]], [s.func for s in spec_sets[0]],
+                          _device_type(spec_sets[0]), prepared.runtime_attributes, is_te_module)
     # The weight-gradient passes waiting, over every graph of the call (``wgrad``).
     has_wgrad = any(w.wgrad is not None for warmups in prepared.warmups for w in warmups)
     book = WgradBook(ordered=options.order is not None) if has_wgrad else None
@@ -246,10 +256,19 @@ def _wrap(spec_sets: list[list[GraphSpec]], prepared: Prepared, options: GraphOp
         if prepared.captured is None:
             warmup = prepared.warmups[variant][index]
             checks_ = fp8_replay(spec.fp8, fp8, warmup.te_modules, spec.has_te, graphs=False)
-            return EagerRunner(spec, warmup, checks_, clock, variant, book)
+            return EagerRunner(spec, warmup, checks_, clock, variant, book, replay)
         return GraphRunner(spec, prepared.captured[variant][index], replay, clock, variant, book)
 
     return [
-        GraphedCallable([runner(v, i) for v in range(len(spec_sets))], spec_sets[0][i], pool, options.unseen_shape)
+        GraphedCallable([runner(v, i) for v in range(len(spec_sets))], spec_sets[0][i], pool, frozen[i],
+                        options.unseen_shape)
         for i in range(len(spec_sets[0]))
     ]
+
+
+def _device_type(specs: list[GraphSpec]) -> str:
+    """The device type the graphs run on (whose autocast state they froze)."""
+    for spec in specs:
+        for t in spec.static_inputs + spec.params:
+            return t.device.type
+    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -57,6 +57,11 @@ def check_callables(modules: Any) -> tuple[Callable, ...]:
                 f"make_graphed_callables: callable {index} is a {type(c).__name__}, which cannot "
                 "be called; pass modules or functions."
             )
+        if isinstance(c, type):
+            raise TypeError(
+                f"make_graphed_callables: callable {index} is the class {c.__name__}, not an instance "
+                f"of it; pass the module you train ({c.__name__}(...)), not its class."
+            )
         if id(c) in seen:
             raise ValueError(
                 f"make_graphed_callables: callable {index} is the same object as callable "
@@ -71,8 +76,8 @@ def check_callables(modules: Any) -> tuple[Callable, ...]:
             raise ValueError(
                 f"make_graphed_callables: callable {index} ({type(c).__name__}) is already graphed, "
                 f"or holds a module that is ({graphed!r}); graphs cannot nest. Graph the "
-                "original modules once (free old graphs with te_graph.reset(...), and "
-                "`del module.forward` brings back a module's eager forward)."
+                "original modules once, or free the old graphs first: te_graph.reset(module) "
+                "gives a module its eager forward back."
             )
     return callables
 
@@ -153,6 +158,30 @@ def check_devices(
                     f"current device is cuda:{current}; a graph captures work of one device. "
                     "Call torch.cuda.set_device() to the module's device before graphing."
                 )
+
+
+def check_not_over_nested(callable_: Callable, sample_args: Any) -> None:
+    """A single callable's ``sample_args`` is the tuple of its arguments; one holding a
+    tuple of tensors (as for a tuple of callables) whose tensors the forward could take as
+    its arguments is refused before warmup calls the forward with a tuple."""
+    if not (isinstance(sample_args, (tuple, list)) and len(sample_args) == 1
+            and isinstance(sample_args[0], (tuple, list)) and sample_args[0]
+            and all(isinstance(t, torch.Tensor) for t in sample_args[0])):
+        return
+    forward = callable_.forward if isinstance(callable_, torch.nn.Module) else callable_
+    try:
+        signature = inspect.signature(forward)
+        signature.bind(*sample_args[0])
+    except (TypeError, ValueError):
+        return  # the forward cannot take them one by one: one tuple argument it is
+    n = len(sample_args[0])
+    raise TypeError(
+        f"make_graphed_callables: one callable was given, and its sample_args is a tuple holding a "
+        f"tuple of {n} tensor(s), which the forward would get as one tuple argument. For a single "
+        f"callable, sample_args is the tuple of its arguments: pass (x,), not ((x,),). If the "
+        "forward does take one tuple, pass the callable in a tuple: make_graphed_callables((m,), "
+        "(((a, b),),))."
+    )
 
 
 def check_sample_kwargs(sample_args: Sequence[Any], sample_kwargs: Sequence[Any]) -> None:

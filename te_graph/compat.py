@@ -35,6 +35,14 @@ __all__ = [
     "version_of",
     "bump_version",
     "is_fake",
+    "numerics_settings",
+    "NUMERICS_SETTINGS",
+    "global_module_hook_dicts",
+    "accumulate_grad_node",
+    "engine_will_execute",
+    "CAN_POISON",
+    "poison",
+    "use_count",
 ]
 
 
@@ -174,3 +182,71 @@ def parameter_slots(module: torch.nn.Module) -> dict:
 def buffer_slots(module: torch.nn.Module) -> dict:
     """``module._buffers``: the dict holding the module's own buffers."""
     return module._buffers
+
+
+# -- numerics settings a graph's kernels were chosen under ----------------------------------
+# Read at every call of a graphed callable (``frozen.Settings``), so through torch's C getters
+# (``torch._C._get_*``, private but stable since torch 1.x; the public ``torch.backends``
+# properties wrap them at several times the cost). A getter this torch lacks is left out.
+_NUMERICS = (
+    ("torch.backends.cuda.matmul.allow_tf32", "_get_cublas_allow_tf32"),
+    ("torch.backends.cudnn.allow_tf32", "_get_cudnn_allow_tf32"),
+    ("torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction", "_get_cublas_allow_fp16_reduced_precision_reduction"),
+    ("torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction", "_get_cublas_allow_bf16_reduced_precision_reduction"),
+    ("torch.get_float32_matmul_precision()", "_get_float32_matmul_precision"),
+    ("torch.are_deterministic_algorithms_enabled()", "_get_deterministic_algorithms"),
+    ("torch.backends.cudnn.deterministic", "_get_cudnn_deterministic"),
+)
+_NUMERICS_GETTERS = tuple(getattr(torch._C, getter) for _, getter in _NUMERICS if hasattr(torch._C, getter))
+NUMERICS_SETTINGS = tuple(name for name, getter in _NUMERICS if hasattr(torch._C, getter))
+
+
+def numerics_settings() -> tuple:
+    """The global settings that choose kernels and their rounding, as one tuple (in the
+    order of ``NUMERICS_SETTINGS``)."""
+    return tuple(getter() for getter in _NUMERICS_GETTERS)
+
+
+def global_module_hook_dicts() -> list[tuple[str, dict]]:
+    """nn.Module's global hook dicts (``torch.nn.modules.module._global_forward_hooks`` and
+    its siblings, private; ``register_module_forward_hook`` and friends fill them): hooks
+    that run for every module, so for the submodules of a graphed one only at capture."""
+    from torch.nn.modules import module  # noqa: PLC0415
+
+    kinds = (("forward_hooks", "_global_forward_hooks"), ("forward_pre_hooks", "_global_forward_pre_hooks"),
+             ("backward_hooks", "_global_backward_hooks"), ("backward_pre_hooks", "_global_backward_pre_hooks"))
+    return [(kind, getattr(module, name)) for kind, name in kinds if isinstance(getattr(module, name, None), dict)]
+
+
+# -- what the running backward will do ------------------------------------------------------
+def accumulate_grad_node(leaf: torch.Tensor) -> Any:
+    """A leaf's gradient accumulator node (the way torch's own docs and DDP reach it: the
+    first next function of a view's grad_fn). Keep a reference: the node is made on demand
+    and the leaf holds it weakly."""
+    with torch.enable_grad():
+        return leaf.view_as(leaf).grad_fn.next_functions[0][0]
+
+
+# ``torch._C._will_engine_execute_node`` (private, torch >= 2.0; torch/utils/checkpoint.py uses it
+# to stop recompute early): whether the backward running now will execute a node. A
+# backward asked only for some tensors' gradients (``torch.autograd.grad``,
+# ``backward(inputs=...)``) executes only the nodes on the way to them.
+engine_will_execute: Callable[[Any], bool] = getattr(torch._C, "_will_engine_execute_node", lambda node: True)
+
+
+# -- outputs overwritten by a later replay --------------------------------------------------
+# CUDA Graph Trees (torch/_inductor/cudagraph_trees.py) make a storage raise when its data is
+# accessed with ``torch._C._set_storage_access_error_msg`` and count a storage's references
+# with ``torch._C._storage_Use_Count`` (both private, in CUDA builds of torch >= 2.1; CPU
+# builds lack the first, so there nothing is poisoned).
+CAN_POISON = hasattr(torch._C, "_set_storage_access_error_msg") and hasattr(torch._C, "_storage_Use_Count")
+
+
+def poison(t: torch.Tensor, message: str) -> None:
+    """Make every later access to the data of ``t``'s storage raise ``message``."""
+    torch._C._set_storage_access_error_msg(t, message)
+
+
+def use_count(storage: Any) -> int:
+    """How many references hold a storage (tensors viewing it, and Python storage objects)."""
+    return torch._C._storage_Use_Count(storage._cdata)

@@ -7,11 +7,13 @@ when graphed with ``unseen_shape="eager"``.
 """
 from __future__ import annotations
 
+import types
 import warnings
 from typing import Any, Optional
 
 import torch
 
+from .frozen import Fingerprint
 from .records import GraphSpec
 from .replay import Runner, run, shapes_text
 from .resources import RESOURCES
@@ -23,7 +25,8 @@ class GraphedCallable:
     """One graphed callable (one per callable, or per (layer, microbatch) under an order):
     call it like the original."""
 
-    def __init__(self, runners: list[Runner], spec: GraphSpec, pool: Any, unseen_shape: str = "error"):
+    def __init__(self, runners: list[Runner], spec: GraphSpec, pool: Any, fingerprint: Fingerprint,
+                 unseen_shape: str = "error"):
         self._runners = {r.shape: r for r in runners}
         # One shape and no eager fallback: the call's checks alone pick the graph.
         self._single = runners[0] if len(runners) == 1 and unseen_shape == "error" else None
@@ -32,6 +35,7 @@ class GraphedCallable:
         self._training = spec.training
         self._eager = spec.call
         self._unseen_shape = unseen_shape
+        self._fingerprint = fingerprint  # what the graphs froze, checked at every call (``frozen``)
         self._warned = False
         self._reset = False
         # Transformer Engine's per-call keyword, taken off the calls of a callable holding TE
@@ -44,6 +48,7 @@ class GraphedCallable:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._module is not None and self._module.training != self._training:
             return self._eager(*args, **kwargs)
+        self._fingerprint.check()
         first = kwargs.pop("is_first_microbatch", None) if self._pops_first_microbatch else None
         runner = self._single
         if runner is None:
@@ -55,8 +60,8 @@ class GraphedCallable:
         if self._reset:
             raise RuntimeError(
                 f"{self.__name__}: this graphed callable was reset(), which freed its graphs and "
-                "buffers. Graph it again with make_graphed_callables; for a module, "
-                "`del module.forward` brings back its eager forward."
+                "buffers. Graph it again with make_graphed_callables (a module that was graphed "
+                "has its eager forward back: call the module itself)."
             )
         tensors = self._layout.gather(args, kwargs)
         runner = self._runners.get(tuple(getattr(t, "shape", None) for t in tensors))
@@ -96,15 +101,35 @@ class GraphedCallable:
         (head if any(r is head for r in runners) else runners[0]).backward_dw()
 
     def reset(self) -> None:
-        """Free this callable's graphs and static buffers; later calls raise (TE's reset())."""
+        """Free this callable's graphs and static buffers; later calls raise (TE's reset()).
+        A module whose forward this callable was gets its eager forward back (and loses the
+        ``backward_dw``/``reset`` attributes graphing gave it), so it can be graphed again."""
         for runner in self._runners.values():
             runner.reset()
         self._runners = {}
         self._single = None
         self._reset = True
+        module = self._module
+        if module is not None and module.__dict__.get("forward") is self:
+            for name in ("forward", "backward_dw", "reset"):
+                attribute = module.__dict__.get(name)
+                if attribute is self or getattr(attribute, "__self__", None) is self:
+                    del module.__dict__[name]
 
     def __repr__(self) -> str:
         return f"<graphed {self.__name__}>"
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        """A deep copy of a graphed module (a teacher, an EMA model) runs eagerly: the graphs
+        read this module's parameters by address, not the copy's."""
+        copy = memo.get(id(self._module)) if self._module is not None else None
+        if copy is None:
+            raise TypeError(
+                f"{self.__name__}: a graphed callable cannot be copied on its own (its graphs read "
+                "the parameters they were captured with); copy the module, whose copy runs "
+                "eagerly, or copy before graphing."
+            )
+        return types.MethodType(type(copy).forward, copy)
 
 
 def install_on_module(module: torch.nn.Module, graphed: GraphedCallable) -> None:

@@ -1,0 +1,255 @@
+"""What a graph froze, checked at every call.
+
+A captured graph bakes in more than its input shapes: the addresses of the parameters it
+reads and which of them get a gradient, the submodules it ran and their training flags and
+hyperparameters (a dropout's ``p``), that no hook ran inside it, the autocast state and the
+numerics settings its kernels were chosen under (TF32, deterministic algorithms). A model
+changed after graphing would replay the old program without a word, so each call first
+compares a small fingerprint of all that with the one taken when graphing ended. Eager
+replay checks the same, so it stays the graphs' mirror.
+
+The hot path is a few C-level passes over tuples taken once (identities, data pointers,
+``requires_grad`` flags, hook-dict sizes, a handful of global settings); only a mismatch
+pays for finding what changed. A change that leaves the program as it was (a value
+assigned again, equal to the old one; the forward pre-hooks Megatron's DDP registers on
+submodules of a layer whose ``cuda_graph_manual_hooks`` run them before each replay) is
+taken into the fingerprint and the call goes on; anything else raises before the call
+changes anything, saying what changed and to graph again.
+
+What no fingerprint here sees: attributes of objects that are not modules (a config
+object the forward reads), integer attributes (a framework's per-call counters live
+there), the Python attributes of Transformer Engine's modules (``te_support`` checks
+their per-call state), values closed over by a function, and tensors' contents.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any, Iterable, Optional
+
+import torch
+
+from . import compat
+from .module_state import MODULE_INTERNALS
+
+__all__ = ["Settings", "FrozenModule", "Fingerprint"]
+
+# Attribute values compared by identity at every call (a new object equal to the old one
+# is taken in on the slow path). Integers are left out: frameworks keep per-call counters
+# on layers (Megatron's ``current_microbatch``).
+_WATCHED = (bool, float, str, type(None))
+_HOOK_KINDS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_is = operator.is_
+_getitem = operator.getitem
+_requires_grad = operator.attrgetter("requires_grad")
+_data_ptr = torch.Tensor.data_ptr
+
+_REGRAPH = (
+    "A graph replays what it captured, so this call would not follow the change. Graph it "
+    "again after changing the model: te_graph.reset(...) frees the graphs and gives a module "
+    "its eager forward back; then call make_graphed_callables again."
+)
+
+
+class Settings:
+    """The process-wide state a graph's kernels were chosen under: autocast (enabled and
+    dtype, for the graph's device type) and the numerics flags (``compat.numerics_settings``)."""
+
+    def __init__(self, device_type: str):
+        self.device_type = device_type
+        self.captured = self.read()
+
+    def read(self) -> tuple:
+        device = self.device_type
+        enabled = torch.is_autocast_enabled(device)
+        return (enabled, torch.get_autocast_dtype(device) if enabled else None) + compat.numerics_settings()
+
+    def changes(self) -> list[str]:
+        now = self.read()
+        if now == self.captured:
+            return []
+        found = []
+        if now[:2] != self.captured[:2]:
+            found.append(
+                f"autocast on {self.device_type} is {_autocast_text(now[:2])}, but the graph was "
+                f"captured with {_autocast_text(self.captured[:2])}"
+            )
+        for name, then, value in zip(compat.NUMERICS_SETTINGS, self.captured[2:], now[2:]):
+            if then != value:
+                found.append(f"{name} is {value!r}, but was {then!r} at capture")
+        return found
+
+
+def _autocast_text(state: tuple) -> str:
+    return f"on ({state[1]})" if state[0] else "off"
+
+
+class _Slot:
+    """An entry of a module's ``__dict__``, ``_parameters``, ``_buffers`` or ``_modules``."""
+
+    __slots__ = ("table", "key", "what")
+
+    def __init__(self, table: dict, key: str, what: str):
+        self.table, self.key, self.what = table, key, what
+
+
+class FrozenModule:
+    """The fingerprint of one graphed module: what its graphs read of it."""
+
+    def __init__(self, module: torch.nn.Module, runtime: frozenset, skip_attributes: Any):
+        self.module = module
+        slots: list[_Slot] = []
+        values: list[Any] = []
+        hook_tables: list[dict] = []
+        hook_names: list[str] = []
+        params: list[tuple[str, torch.Tensor]] = []
+        seen: set[int] = set()
+        for prefix, sub in module.named_modules():
+            if id(sub) in seen:
+                continue
+            seen.add(id(sub))
+            where = f"submodule {prefix!r}" if prefix else "the module"
+            for table, kind in ((compat.parameter_slots(sub), "parameter"), (compat.buffer_slots(sub), "buffer"),
+                                (sub._modules, "submodule")):
+                for key, value in table.items():
+                    slots.append(_Slot(table, key, f"{kind} {_qualified(prefix, key)!r}"))
+                    values.append(value)
+            attributes = sub.__dict__
+            slots.append(_Slot(attributes, "training", where))
+            values.append(sub.training)
+            if not skip_attributes(sub):
+                for key, value in attributes.items():
+                    if type(value) in _WATCHED and key not in MODULE_INTERNALS and key != "training" and (id(sub), key) not in runtime:
+                        slots.append(_Slot(attributes, key, f"attribute {key!r} of {where}"))
+                        values.append(value)
+            if prefix:  # the graphed module's own hooks run around the graphed forward
+                for kind in _HOOK_KINDS:
+                    hook_tables.append(getattr(sub, kind))
+                    hook_names.append(f"{kind[1:].replace('_', ' ')} on {where}")
+            for name, p in compat.parameter_slots(sub).items():
+                if p is not None:
+                    params.append((_qualified(prefix, name), p))
+        for kind, table in compat.global_module_hook_dicts():
+            hook_tables.append(table)
+            hook_names.append(f"global module {kind} (torch.nn.modules.module.register_module_{kind[:-1]})")
+        self._slots = tuple(slots)
+        self._tables = tuple(s.table for s in slots)
+        self._keys = tuple(s.key for s in slots)
+        self._values = tuple(values)
+        self._hook_tables = tuple(hook_tables)
+        self._hook_names = tuple(hook_names)
+        self._hook_sizes = tuple(map(len, hook_tables))
+        self._params = tuple(p for _, p in params)
+        self._param_names = tuple(name for name, _ in params)
+        self._grads = tuple(map(_requires_grad, self._params))
+        # Only plain tensors have a data pointer of their own (TE's quantized weights are
+        # wrapper subclasses: their identity and requires_grad are compared).
+        self._addressed = tuple(p for p in self._params if type(p) in (torch.Tensor, torch.nn.Parameter))
+        self._addressed_names = tuple(n for n, p in params if type(p) in (torch.Tensor, torch.nn.Parameter))
+        self._pointers = tuple(map(_data_ptr, self._addressed))
+
+    def matches(self) -> bool:
+        """The hot path: True when nothing the graphs read of the module changed."""
+        try:
+            return (
+                all(map(_is, map(_getitem, self._tables, self._keys), self._values))
+                and tuple(map(_data_ptr, self._addressed)) == self._pointers
+                and tuple(map(_requires_grad, self._params)) == self._grads
+                and tuple(map(len, self._hook_tables)) == self._hook_sizes
+            )
+        except KeyError:  # an attribute was deleted
+            return False
+
+    def changes(self) -> list[str]:
+        """What changed, taking in the changes that leave the program as it was."""
+        found: list[str] = []
+        values = list(self._values)
+        for i, slot in enumerate(self._slots):
+            now = slot.table.get(slot.key, _GONE)
+            then = values[i]
+            if now is then:
+                continue
+            if now is _GONE:
+                found.append(f"{slot.what} was deleted")
+            elif isinstance(then, (torch.Tensor, torch.nn.Module)) or isinstance(now, (torch.Tensor, torch.nn.Module)) or now is None or then is None:
+                if isinstance(then, torch.nn.Module) or isinstance(now, torch.nn.Module):
+                    found.append(f"{slot.what} was replaced by another module")
+                else:
+                    found.append(f"{slot.what} was replaced by another object (a new nn.Parameter or tensor, "
+                                 "load_state_dict(assign=True), or None)")
+            elif type(now) is type(then) and now == then:
+                values[i] = now  # the same value assigned again
+            elif slot.key == "training" and isinstance(now, bool):
+                found.append(f"{slot.what} is in {'train' if now else 'eval'} mode, but was in "
+                             f"{'train' if then else 'eval'} mode at capture")
+            else:
+                found.append(f"{slot.what} is {now!r}, but was {then!r} at capture")
+        for name, p, then in zip(self._addressed_names, self._addressed, self._pointers):
+            if p.data_ptr() != then:
+                found.append(f"parameter {name!r} now lies at another address (p.data = ..., or the module was "
+                             "moved or cast)")
+        for name, p, then in zip(self._param_names, self._params, self._grads):
+            if p.requires_grad != then:
+                found.append(f"parameter {name!r} {'now requires' if p.requires_grad else 'no longer requires'} grad")
+        sizes = tuple(map(len, self._hook_tables))
+        for name, table, size, then in zip(self._hook_names, self._hook_tables, sizes, self._hook_sizes):
+            if size != then and not self._run_by_hand(name, table):
+                found.append(f"{name} changed ({then} -> {size}); hooks on a submodule run only while a graph is "
+                             "captured, never at replay (hooks on the graphed module itself run around the "
+                             "graphed forward)")
+        if not found:
+            self._values = tuple(values)
+            self._hook_sizes = sizes
+        return found
+
+    def _run_by_hand(self, name: str, table: dict) -> bool:
+        """Forward pre-hooks that Megatron's ``TECudaGraphHelper`` runs before each replay
+        (``cuda_graph_manual_hooks``: pairs of a hook and the submodule it is for)."""
+        if not name.startswith("forward pre hooks"):
+            return False
+        manual = getattr(self.module, "cuda_graph_manual_hooks", None) or ()
+        covered = {id(args[0]) for _, args in manual if args}
+        return any(getattr(sub, "_forward_pre_hooks", None) is table and id(sub) in covered for sub in self.module.modules())
+
+
+_GONE = object()
+
+
+def _qualified(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+class Fingerprint:
+    """What one graphed callable checks at each call: the settings, and its module's
+    fingerprint where it is a module (shared by every graph of that module)."""
+
+    __slots__ = ("name", "settings", "module")
+
+    def __init__(self, name: str, settings: Settings, module: Optional[FrozenModule]):
+        self.name = name
+        self.settings = settings
+        self.module = module
+
+    def check(self) -> None:
+        settings = self.settings
+        module = self.module
+        if settings.read() == settings.captured and (module is None or module.matches()):
+            return
+        found = settings.changes() + (module.changes() if module is not None else [])
+        if found:
+            raise RuntimeError(f"{self.name}: since graphing, {'; '.join(found)}. {_REGRAPH}")
+
+
+def fingerprints(names: Iterable[str], funcs: Iterable[Any], device_type: str, runtime: frozenset,
+                 skip_attributes: Any) -> list[Fingerprint]:
+    """One fingerprint per graphed callable, taken when graphing has ended."""
+    settings = Settings(device_type)
+    modules: dict[int, FrozenModule] = {}
+    result = []
+    for name, func in zip(names, funcs):
+        frozen = None
+        if isinstance(func, torch.nn.Module):
+            frozen = modules.get(id(func))
+            if frozen is None:
+                frozen = modules[id(func)] = FrozenModule(func, runtime, skip_attributes)
+        result.append(Fingerprint(name, settings, frozen))
+    return result
