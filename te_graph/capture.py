@@ -35,10 +35,10 @@ import rng
 from checkpointing.capture_hook import capture_hook_set
 
 from . import compat
-from .te_support import FP8Capture, FP8Options, forget_stand_in_caches, fp8_replay
+from .te_support import FP8Capture, FP8Options, forget_stand_in_caches, fp8_replay, is_te_module
 from .grads import ParamGrads, grads_redirected
 from .layout import OutputLayout
-from .module_state import InputUpdates, ModuleBuffers
+from .module_state import InputUpdates, ModuleState
 from .parameters import StandIns
 from .plan import GraphLayout, GraphPlan, TensorMeta, plan_capture
 from .recompute_rng import NO_SYNC, RecomputeRNG, TrackerSync
@@ -73,11 +73,13 @@ class CaptureOptions:
 
 class Prepared(NamedTuple):
     """Per sample set, per graph: its warmup record, its plan, and its captured graph
-    (``captured`` is None in eager replay, which plans but captures nothing)."""
+    (``captured`` is None in eager replay, which plans but captures nothing); and the
+    modules' Python attributes the forwards set (``ModuleState.runtime_attributes``)."""
 
     warmups: list[list[WarmupRecord]]
     plans: list[tuple[GraphPlan, ...]]
     captured: Optional[list[list[CapturedGraph]]]
+    runtime_attributes: frozenset = frozenset()
 
 
 def prepare_graphs(spec_sets: Sequence[Sequence[GraphSpec]], steps: Sequence[Step], options: CaptureOptions) -> Prepared:
@@ -91,12 +93,13 @@ def prepare_graphs(spec_sets: Sequence[Sequence[GraphSpec]], steps: Sequence[Ste
     modules = _unique_modules(specs)
     delayed = delayed_modules_in(list(modules.values()))
     check_no_queued_work(delayed, "when graphing starts; run it first (warmup would take that work for its own)")
-    buffers = ModuleBuffers(modules.values(), modules.keys())
+    state = ModuleState(modules, is_te_module)
     stand_ins = StandIns(modules.values())
     updates = InputUpdates()
     snapshot = rng.snapshot_streams(options.tracker)
     fp8 = FP8Capture(options.fp8, list(modules.values())) if options.fp8 is not None and options.fp8.on else None
     gc_enabled = gc.isenabled()
+    succeeded = False
     stream = None
     home_stream = None if options.eager_replay else torch.cuda.current_stream()
     try:
@@ -112,9 +115,12 @@ def prepare_graphs(spec_sets: Sequence[Sequence[GraphSpec]], steps: Sequence[Ste
             with stand_ins.installed(), fp8.active() if fp8 is not None else contextlib.nullcontext():
                 if options.pre_warmup_hook is not None:
                     options.pre_warmup_hook()
+                # Eager replay makes one more pass where graphs capture, so that both see a
+                # forward's Python side effects as often (``ModuleState``).
+                passes = options.num_warmup_iters + (1 if options.eager_replay else 0)
                 warmups = [
-                    warm_up(shape_specs, steps, options.num_warmup_iters, options.allow_unused_input,
-                            options.tracker, not options.eager_replay, stand_ins, buffers, updates, fp8)
+                    warm_up(shape_specs, steps, passes, options.allow_unused_input,
+                            options.tracker, not options.eager_replay, stand_ins, state, updates, fp8)
                     for shape_specs in spec_sets
                 ]
                 if options.post_warmup_hook is not None:
@@ -122,7 +128,8 @@ def prepare_graphs(spec_sets: Sequence[Sequence[GraphSpec]], steps: Sequence[Ste
                 steps = _place_wgrad(spec_sets[0], warmups[0], steps, options.has_order)
                 plans = [_plan(shape_specs, records, steps, options) for shape_specs, records in zip(spec_sets, warmups)]
                 if options.eager_replay:
-                    return Prepared(warmups, plans, None)
+                    succeeded = True
+                    return Prepared(warmups, plans, None, state.runtime_attributes())
                 # Warmup's activations, cached on the side stream, would otherwise stay
                 # reserved beside the pool for the life of the process (torch's own
                 # capture empties the cache too).
@@ -132,15 +139,16 @@ def prepare_graphs(spec_sets: Sequence[Sequence[GraphSpec]], steps: Sequence[Ste
                     _capture(*per_set, steps, options, stand_ins, home_stream, fp8)
                     for per_set in zip(spec_sets, warmups, plans, param_grads)
                 ]
-                buffers.check_not_reassigned()
+                state.after_pass(executed=False)  # the capture ran each forward's Python once more
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
-        return Prepared(warmups, plans, captured)
+        succeeded = True
+        return Prepared(warmups, plans, captured, state.runtime_attributes())
     finally:
         if gc_enabled:
             gc.enable()
         rng.restore_streams(options.tracker, snapshot)
-        buffers.restore()
+        state.restore(succeeded)
         updates.restore()
         forget_stand_in_caches(list(modules.values()))
         drop_queued_work(delayed)  # empty unless graphing failed between a backward and its pass
@@ -168,7 +176,7 @@ def _allocate_grad_buffers(spec_sets, warmup_sets, home_stream, side_stream) -> 
 
     def backward_params(spec: GraphSpec, warmup: WarmupRecord) -> list:
         split = warmup.wgrad.split_params if warmup.wgrad is not None else frozenset()
-        return [p for i, p in enumerate(spec.params) if i not in split]
+        return [p for i, p in enumerate(spec.params) if i not in split and i not in warmup.unused_params]
 
     with torch.cuda.stream(home_stream):
         grads = []
@@ -176,7 +184,8 @@ def _allocate_grad_buffers(spec_sets, warmup_sets, home_stream, side_stream) -> 
             per_set = []
             for spec, warmup in zip(specs, warmups):
                 params = backward_params(spec, warmup) if spec.needs_backward else None
-                per_set.append(None if params is None else ParamGrads(params, [RESOURCES.grad_buffer(p) for p in params]))
+                per_set.append(None if params is None else ParamGrads(
+                    params, [RESOURCES.grad_buffer(p) for p in params], tied=bool(spec.tied_params)))
             grads.append(per_set)
     side_stream.wait_stream(home_stream)
     return grads

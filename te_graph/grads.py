@@ -73,9 +73,12 @@ class ParamGrads:
     """The parameters one backward graph accumulates into, and their persistent buffers
     (``RESOURCES.grad_buffer``: one per parameter, shared by every graph using it)."""
 
-    def __init__(self, params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor]):
+    def __init__(self, params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor], tied: bool = False):
         self.params = tuple(params)
         self.buffers = tuple(buffers)
+        # A parameter another callable's graphs use too: its gradients always go through
+        # autograd, which sums every use's gradient before adding it to .grad, as in eager.
+        self.tied = tied
         # Only a tensor-subclass parameter (a TE FP8 weight) gets a subclass .grad from
         # torch.empty_like(param); plain ones skip that check on the hot path.
         self._subclass_params = tuple(p for p in self.params if type(p) not in _PLAIN)
@@ -87,7 +90,8 @@ class ParamGrads:
         path: a few C-level attribute reads per parameter."""
         params = self.params
         return (
-            any(map(compat.tensor_hooks, params))
+            self.tied
+            or any(map(compat.tensor_hooks, params))
             or (compat.HAS_POST_ACCUMULATE_HOOKS and any(map(compat.post_accumulate_hooks, params)))
             or any(map(_has_main_grad, params))
             or any(type(p.grad) not in _PLAIN_GRAD for p in self._subclass_params)

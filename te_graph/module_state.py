@@ -1,61 +1,291 @@
-"""State the callables update in place, across warmup and capture: module buffers and
-inputs.
+"""State the callables keep or update, across warmup and capture: module state and inputs.
 
-Warmup runs each module several times; buffers that its forward updates in place (running
-statistics, step counters, an MoE router's expert bias) would keep those updates. They are
-saved before warmup and copied back afterwards, so graphing leaves the model as it was;
-the captured graph then updates them in place at every replay, as eager calls do.
+Warmup runs each forward several times on the user's modules, and capture once more. What
+a forward changes besides its outputs would keep warmup's changes, and what a graph cannot
+replay must be refused before the user trains on it:
 
-A forward that *reassigns* a buffer (``self.count = self.count + 1``) cannot be replayed: the
-graph writes the new value into memory the module no longer points to, and the module's
-attribute never moves again. That is refused, with the fix.
+* **buffers and tensor attributes** a forward updates in place (running statistics, a step
+  counter, an MoE router's expert bias, a plain ``self.stat`` tensor) are saved before
+  warmup and copied back afterwards; the captured graph then updates them in place at
+  every replay, as eager calls do. A forward that *reassigns* one (``self.count =
+  self.count + 1``) cannot be replayed (the graph writes where the module no longer
+  looks): refused.
+* **Python attributes** a forward changes at every call (``self.calls += 1``) are seen by
+  comparing them after each pass; a graph replays GPU work only, so they are refused. One
+  set once (lazy initialisation) is kept, as the first eager call would keep it. So are
+  containers that grow at every call (``self.history.append(x)``).
+* **parameters** a forward updates in place (``nn.Embedding(max_norm=...)`` renormalises
+  rows): the graph replays the update, which matches eager where applying it again changes
+  nothing (a renormalisation); that is checked between two warmup passes, and any other
+  in-place update of a parameter is refused (te_graph does not copy parameters, so it
+  cannot take warmup's updates back).
+* **references** a forward keeps to its input or to an output it made (``self.last = x``, a
+  cache keyed by tensor identity) would hold te_graph's static buffers at replay: refused.
+
+Transformer Engine's modules keep their own per-call state (FP8 meta, workspaces), which
+``te_support`` saves and restores; their Python attributes are not compared here.
+
+Inputs a callable updates in place are watched by :class:`InputUpdates`.
 """
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 
 from . import compat
 
-__all__ = ["ModuleBuffers", "InputUpdates"]
+__all__ = ["ModuleState", "InputUpdates", "SCALAR_TYPES", "MODULE_INTERNALS", "shares_memory"]
+
+SCALAR_TYPES = (bool, int, float, str, type(None))
+# nn.Module's own bookkeeping attributes (hook dicts, flags); ``training`` is compared
+# separately where it matters.
+MODULE_INTERNALS = frozenset(torch.nn.Module().__dict__) - {"training"}
 
 
-class ModuleBuffers:
-    """The buffers of ``modules``, saved so warmup and capture leave no trace in them."""
+def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors' storages are one (a view, the same tensor, or a detached one)."""
+    if a.device != b.device or a.device.type == "meta" or b.device.type == "meta":
+        return False
+    try:
+        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() != 0
+    except (RuntimeError, NotImplementedError):  # a tensor subclass without storage
+        return False
 
-    def __init__(self, modules: Iterable[torch.nn.Module], names: Iterable[str]):
-        # (callable's name, owning module, buffer name there, qualified name, buffer)
-        self._slots: list[tuple[str, torch.nn.Module, str, str, torch.Tensor]] = []
+
+class _Attr:
+    """One attribute of one submodule of a graphed callable."""
+
+    __slots__ = ("owner", "module", "key", "where")
+
+    def __init__(self, owner: str, module: torch.nn.Module, key: str, prefix: str):
+        self.owner = owner  # "callable 0 (Net)"
+        self.module = module
+        self.key = key
+        self.where = f"{prefix}.{key}" if prefix else key  # its qualified name
+
+    def get(self) -> Any:
+        return self.module.__dict__.get(self.key)
+
+
+class ModuleState:
+    """The state of the graphed modules that warmup and capture may change: saved before
+    warmup, compared after every pass, put back afterwards."""
+
+    def __init__(self, modules: Mapping[str, torch.nn.Module], skip_attributes: Callable[[torch.nn.Module], bool]):
+        self.modules = modules
+        self._buffers: list[tuple[_Attr, torch.Tensor]] = []  # registered buffers
+        self._params: list[tuple[str, str, torch.Tensor]] = []  # (owner, name, parameter)
+        self._watched: list[tuple[str, str, torch.nn.Module]] = []  # (owner, prefix, module) whose __dict__ is compared
         seen: set[int] = set()
-        for module, where in zip(modules, names):
+        for owner, module in modules.items():
             for prefix, sub in module.named_modules():
                 if id(sub) in seen:
                     continue
                 seen.add(id(sub))
                 for name, buffer in compat.buffer_slots(sub).items():
                     if buffer is not None:
-                        qualified = f"{prefix}.{name}" if prefix else name
-                        self._slots.append((where, sub, name, qualified, buffer))
-        self._saved = [b.detach().clone() for *_, b in self._slots]
+                        self._buffers.append((_Attr(owner, sub, name, prefix), buffer))
+                for name, p in compat.parameter_slots(sub).items():
+                    if p is not None:
+                        self._params.append((owner, f"{prefix}.{name}" if prefix else name, p))
+                if not skip_attributes(sub):
+                    self._watched.append((owner, prefix, sub))
+        self._saved_buffers = [b.detach().clone() for _, b in self._buffers]
+        # Each watched module's attributes as they were (a shallow copy), and a copy of the
+        # value of each plain tensor among them (a forward may update it in place).
+        self._saved_dicts = [dict(sub.__dict__) for *_, sub in self._watched]
+        self._tensors = [
+            (attr, value, value.detach().clone())
+            for (owner, prefix, sub), saved in zip(self._watched, self._saved_dicts)
+            for key, value in saved.items()
+            if type(value) is torch.Tensor and key not in MODULE_INTERNALS
+            for attr in (_Attr(owner, sub, key, prefix),)
+        ]
+        self._maxnorm = [(m.weight, m.weight.detach().clone()) for m in _renorming(modules.values())]
+        self._versions = [compat.version_of(p) for *_, p in self._params]
+        self._last = self._observe()  # what the previous pass left
+        self._passes = 0
+
+    # -- after each pass ---------------------------------------------------------------------
+    def after_pass(self, executed: bool) -> None:
+        """Compare what this pass left with what the last one left (a forward that changes
+        something at every call cannot be replayed). ``executed``: the pass ran its kernels
+        (a warmup pass; a capture only records them)."""
+        self.check_not_reassigned()
+        now = self._observe()
+        if self._passes > 0:
+            for key, (attr, value) in now.items():
+                before = self._last.get(key)
+                if before is not None and _changed(before[1], value):
+                    raise ValueError(_change_message(attr, before[1], value))
+        self._last = now
+        if executed:
+            self._check_parameters()
+        self._passes += 1
+
+    def _observe(self) -> dict:
+        """Every watched attribute: a scalar's value, a tensor's identity, a container's
+        type, length and item identities."""
+        seen = {}
+        for owner, prefix, sub in self._watched:
+            for key, value in list(sub.__dict__.items()):
+                if key in MODULE_INTERNALS:
+                    continue
+                if isinstance(value, SCALAR_TYPES):
+                    seen[(id(sub), key)] = (_Attr(owner, sub, key, prefix), ("value", value))
+                elif isinstance(value, torch.Tensor):
+                    seen[(id(sub), key)] = (_Attr(owner, sub, key, prefix), ("tensor", id(value)))
+                elif isinstance(value, (list, tuple, dict, set)):
+                    seen[(id(sub), key)] = (_Attr(owner, sub, key, prefix), ("container", _shape_of(value)))
+        return seen
+
+    def _check_parameters(self) -> None:
+        """Parameters the forward updated in place: only nn.Embedding's (and EmbeddingBag's)
+        max_norm renormalisation, whose weights were copied before warmup, is replayed."""
+        renormed = {id(w) for w, _ in self._maxnorm}
+        for (owner, name, p), version in zip(self._params, self._versions):
+            if compat.version_of(p) != version and id(p) not in renormed:
+                raise ValueError(
+                    f"make_graphed_callables: the forward of {owner} updates its parameter {name!r} "
+                    "in place; a graph would repeat that update at every replay, and warmup has "
+                    "already made it (te_graph copies parameters only for nn.Embedding's max_norm, "
+                    "so it could not take this one back: check the parameter). Move the update out "
+                    "of the forward (before the graphed call, or into the optimizer step)."
+                )
 
     def check_not_reassigned(self) -> None:
         """Raise if a forward replaced a buffer instead of updating it in place."""
-        for where, module, name, qualified, buffer in self._slots:
-            if compat.buffer_slots(module).get(name) is not buffer:
+        for attr, buffer in self._buffers:
+            if compat.buffer_slots(attr.module).get(attr.key) is not buffer:
                 raise ValueError(
-                    f"make_graphed_callables: the forward of {where} reassigns its buffer "
-                    f"{qualified!r} (like `self.{name} = self.{name} + 1`); a graph cannot replay "
-                    "that: it would write the new value where the module no longer looks. Update "
-                    f"the buffer in place instead (`self.{name}.add_(1)`, `.copy_(...)`)."
+                    f"make_graphed_callables: the forward of {attr.owner} reassigns its buffer "
+                    f"{attr.where!r} (like `self.{attr.key} = self.{attr.key} + 1`); a graph cannot "
+                    "replay that: it would write the new value where the module no longer looks. "
+                    f"Update the buffer in place instead (`self.{attr.key}.add_(1)`, `.copy_(...)`)."
                 )
 
-    def restore(self) -> None:
-        """Put every buffer object back in its module and copy its saved value into it."""
+    # -- what a forward keeps -----------------------------------------------------------------
+    def check_references(self, owner: str, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
+        """After a forward of ``owner``: no attribute of its modules holds one of its static
+        inputs, or an output it made (a tensor the module did not hold before warmup)."""
+        before = {id(t) for _, t, _ in self._tensors} | {id(b) for _, b in self._buffers}
+        for attr, tensor in self._held_tensors(owner):
+            if any(shares_memory(tensor, t) for t in inputs):
+                raise ValueError(
+                    f"make_graphed_callables: the forward of {attr.owner} keeps a reference to its "
+                    f"input in {attr.where!r}; at every replay that would be te_graph's static "
+                    "input buffer, not the tensor you pass (and an identity check on it would "
+                    "always hold). Keep no reference to the input across calls."
+                )
+            if id(tensor) not in before and any(shares_memory(tensor, o) for o in outputs):
+                raise ValueError(
+                    f"make_graphed_callables: the forward of {attr.owner} keeps an output it made "
+                    f"in {attr.where!r} (a cache of results?); at replay that attribute would hold "
+                    "warmup's tensor, and a cached result would be returned without computing it. "
+                    "Keep results out of the module, or cache outside the graphed forward."
+                )
+
+    def _held_tensors(self, owner: str) -> Iterable[tuple[_Attr, torch.Tensor]]:
+        """The tensors the watched modules of ``owner`` hold in plain attributes, directly or
+        one container deep."""
+        for where, prefix, sub in self._watched:
+            if where != owner:
+                continue
+            for key, value in list(sub.__dict__.items()):
+                if key in MODULE_INTERNALS:
+                    continue
+                items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple, set)) else (value,)
+                for item in items:
+                    if isinstance(item, torch.Tensor) and not isinstance(item, torch.nn.Parameter):
+                        yield _Attr(owner, sub, key, prefix), item
+
+    # -- afterwards ---------------------------------------------------------------------------
+    def restore(self, succeeded: bool) -> None:
+        """Put every buffer, tensor attribute and renormalised embedding back (object and
+        value); after a failure, every attribute of the watched modules too (after a
+        success they keep what warmup set once: lazy initialisation)."""
         with torch.no_grad():
-            for (_, module, name, _, buffer), saved in zip(self._slots, self._saved):
-                compat.buffer_slots(module)[name] = buffer
+            for (attr, buffer), saved in zip(self._buffers, self._saved_buffers):
+                compat.buffer_slots(attr.module)[attr.key] = buffer
                 buffer.copy_(saved)
+            for attr, tensor, saved in self._tensors:
+                attr.module.__dict__[attr.key] = tensor
+                tensor.copy_(saved)
+            for weight, saved in self._maxnorm:
+                weight.copy_(saved)
+        if not succeeded:
+            for (*_, sub), saved in zip(self._watched, self._saved_dicts):
+                for key in [k for k in sub.__dict__ if k not in saved]:
+                    del sub.__dict__[key]
+                sub.__dict__.update(saved)
+
+    def runtime_attributes(self) -> frozenset:
+        """``(id(module), key)`` of the Python attributes the forward set (they differ from
+        their value before warmup): the module's own per-call state, which a later eager
+        call of the module may set again, so the per-call check leaves them alone."""
+        changed = set()
+        for (*_, sub), saved in zip(self._watched, self._saved_dicts):
+            for key, value in sub.__dict__.items():
+                if key not in saved or not _same_value(saved[key], value):
+                    changed.add((id(sub), key))
+        return frozenset(changed)
+
+
+def _renorming(modules: Iterable[torch.nn.Module]) -> list[torch.nn.Module]:
+    """The embeddings whose forward renormalises rows of the weight in place (max_norm)."""
+    kinds = (torch.nn.Embedding, torch.nn.EmbeddingBag)
+    found: dict[int, torch.nn.Module] = {}
+    for module in modules:
+        for m in module.modules():
+            if isinstance(m, kinds) and m.max_norm is not None:
+                found[id(m)] = m
+    return list(found.values())
+
+
+def _changed(before: tuple, after: tuple) -> bool:
+    if before[0] != after[0]:
+        return True
+    if before[0] == "value":
+        return not _same_value(before[1], after[1])
+    return before[1] != after[1]
+
+
+def _change_message(attr: _Attr, before: tuple, after: tuple) -> str:
+    if before[0] == after[0] == "tensor":
+        return (
+            f"make_graphed_callables: the forward of {attr.owner} assigns a new tensor to its "
+            f"attribute {attr.where!r} at every call; at replay it would keep the tensor of the "
+            "capture (and autograd could not go back through it). Return the tensor as an output, "
+            "or update one tensor in place (`.copy_(...)`)."
+        )
+    if before[0] == after[0] == "container":
+        return (
+            f"make_graphed_callables: the forward of {attr.owner} changes its attribute "
+            f"{attr.where!r} ({type(attr.get()).__name__}) at every call (its length or items "
+            "change between warmup passes); a graph replays GPU work only, so at replay it would "
+            "stay as warmup left it. Change it outside the graphed forward, or return what you "
+            "collect as an output."
+        )
+    shown = lambda state: repr(state[1]) if state[0] == "value" else f"a {state[0]}"  # noqa: E731
+    return (
+        f"make_graphed_callables: the forward of {attr.owner} changes its attribute {attr.where!r} "
+        f"at every call ({shown(before)}, then {shown(after)}); a graph replays GPU work only, so at "
+        "replay it would keep its value. Keep such state in a tensor buffer updated in place "
+        "(register_buffer and `.add_(1)`), or change it outside the graphed forward."
+    )
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    return a is b or (type(a) is type(b) and isinstance(a, SCALAR_TYPES) and a == b)
+
+
+def _shape_of(container: Any) -> Any:
+    """What is compared of a container between passes: its type, length and the identity
+    of its items (a cache keyed by call grows; one filled once does not change)."""
+    if isinstance(container, dict):
+        return (dict, len(container), tuple(map(id, container.keys())), tuple(map(id, container.values())))
+    return (type(container), len(container), tuple(map(id, container)))
 
 
 class InputUpdates:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Iterator, Optional, Sequence
 
 import torch
 
@@ -35,7 +35,9 @@ __all__ = ["StandIns", "ForeignLeaves"]
 class StandIns:
     """Stand-ins for the trainable parameters of ``modules`` (shared parameters share one)."""
 
-    def __init__(self, modules: Iterable[torch.nn.Module]):
+    def __init__(self, modules: Iterable[torch.nn.Module], only: Optional[Sequence[torch.Tensor]] = None):
+        """``only``: stand in for these parameters alone (default: every trainable one)."""
+        wanted = None if only is None else {id(p) for p in only}
         self.of: dict[int, torch.nn.Parameter] = {}  # id(real parameter) -> stand-in
         self.real: dict[int, torch.Tensor] = {}  # id(stand-in) -> real parameter
         self._slots: list[tuple[torch.nn.Module, str, torch.Tensor]] = []
@@ -46,7 +48,7 @@ class StandIns:
                     continue
                 seen_modules.add(id(sub))
                 for name, p in compat.parameter_slots(sub).items():
-                    if p is None or not p.requires_grad:
+                    if p is None or not p.requires_grad or (wanted is not None and id(p) not in wanted):
                         continue
                     if id(p) not in self.of:
                         stand_in = torch.nn.Parameter(p.detach(), requires_grad=True)
@@ -63,8 +65,9 @@ class StandIns:
                     self._slots.append((sub, name, p))
 
     def __call__(self, params: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        """The stand-ins of ``params`` (real parameters), in order."""
-        return tuple(self.of[id(p)] for p in params)
+        """The stand-ins of ``params`` (real parameters), in order (None where ``only``
+        left one out)."""
+        return tuple(self.of.get(id(p)) for p in params)
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:

@@ -18,6 +18,8 @@ debugging mirror, "is it the graph or my model?", that also runs on CPU).
 """
 from __future__ import annotations
 
+import contextlib
+import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -26,6 +28,8 @@ import torch
 from . import compat
 from .te_support import accepts_is_first_microbatch
 from .grads import grads_redirected
+from .parameters import StandIns
+from .module_state import shares_memory
 from .records import CapturedGraph, GraphSpec, WarmupRecord
 from .wgrad import DelayedWgrad, WgradBook, check_grads_as_captured, check_still_delayed, run_backward_dw
 
@@ -84,7 +88,8 @@ NO_CLOCK = _NoClock()
 class Invocation:
     """One forward call's state, kept on its autograd node until its backward."""
 
-    __slots__ = ("generation", "tick", "record", "copy_grads", "outputs", "backwards", "through_autograd", "fp8_first")
+    __slots__ = ("generation", "tick", "record", "copy_grads", "outputs", "backwards", "through_autograd", "fp8_first",
+                 "__weakref__")
 
     def __init__(self, generation: int, tick: int, record: tuple, copy_grads: tuple, through_autograd: bool,
                  outputs: Any = None, fp8_first: bool = False):
@@ -129,8 +134,12 @@ class Runner:
         # input requires grad.
         device = spec.static_inputs[0].device if spec.static_inputs else None
         self.anchor = (torch.empty(0, device=device, requires_grad=True),) if self.params else ()
+        # Its gradient accumulator: whether the engine runs it tells a full backward from one
+        # asked only for some inputs' gradients.
+        self.anchor_node = compat.accumulate_grad_node(self.anchor[0]) if self.anchor else None
         self.clock = clock
         self.generation = 0
+        self._waiting: Any = _NOTHING  # weakref to the last call whose backward may still come
 
     def backward_dw(self) -> None:
         """TE's ``backward_dw()``: the weight-gradient pass of this graph's last backward
@@ -144,15 +153,39 @@ class Runner:
         raise NotImplementedError
 
     def _before_forward(self) -> None:
+        waiting = self._waiting()
+        if waiting is not None and waiting.backwards == 0:
+            raise RuntimeError(
+                f"{self.name}: called again while the backward of its previous call has not run; "
+                "a graph reuses its activations at every call, so that backward would read this "
+                "call's. Run the backward first; for several microbatches in flight, pass "
+                "order=... with one sample set per microbatch; a result you will not backpropagate "
+                "through, compute under torch.no_grad() (or drop it before the next call)."
+            )
         if self.wgrad_book is not None:
             self.wgrad_book.check_forward(self)
             if self.has_wgrad:
                 check_still_delayed(self.name, self.wgrad)
 
-    def _before_backward(self, invocation: Invocation) -> None:
+    def _issued(self, invocation: Invocation) -> Invocation:
+        """Remember a call whose backward may come (checked by the next forward)."""
+        self._waiting = weakref.ref(invocation)
+        return invocation
+
+    def _before_backward(self, invocation: Invocation, grads: tuple) -> None:
         if self.has_wgrad:
             self.wgrad_book.check_backward(self)
         self._check_fresh(invocation)
+        if self.multi_output and any(g is None for i, g in enumerate(grads) if i not in self.non_differentiable):
+            missing = next(i for i, g in enumerate(grads) if g is None and i not in self.non_differentiable)
+            raise RuntimeError(
+                f"{self.name}: output {missing} got no gradient in this backward (the loss does not "
+                "use it), but the backward graph was captured with a gradient for every "
+                "differentiable output: it would push zeros through that output's part of the "
+                "backward, where eager autograd skips it (zeros there turn into NaN through log, "
+                "sqrt or a division). Use every differentiable output in the loss, or return only "
+                "the outputs you use (detach the others inside the callable)."
+            )
 
     def _after_backward(self) -> None:
         if self.has_wgrad:
@@ -216,7 +249,9 @@ class GraphRunner(Runner):
         self.grad_output_slots = tuple(None if g is None else _Slot(g) for g in graph.static_grad_outputs)
         self.output = graph.output
         self.static_outputs = graph.output.tensors
+        self.handout = GraphOutputs(self.name, self.static_outputs, spec)
         self.non_differentiable = tuple(i for i, o in enumerate(self.static_outputs) if not o.requires_grad)
+        self.multi_output = len(self.static_outputs) - len(self.non_differentiable) > 1
         self.always_autograd = options.always_autograd
         self.clone_param_grads = options.clone_param_grads
 
@@ -259,16 +294,18 @@ class GraphRunner(Runner):
         moved = graph.sync_forward.before_replay(self.name)
         record = graph.rng.record() if with_backward else ()
         tick = self.clock.forward(self.variant, self.shape)
+        self.handout.before_replay()
         graph.fwd_graph.replay()
         if moved:
             graph.sync_forward.after_replay(moved)
         if self.updated:
             self._copy_back(inputs)
-        outputs = tuple(o.detach() for o in self.static_outputs)
-        return Invocation(self.generation, tick, record, copy_grads, through_autograd, None, fp8_first), outputs
+        outputs = self.handout.tensors()
+        invocation = Invocation(self.generation, tick, record, copy_grads, through_autograd, None, fp8_first)
+        return (self._issued(invocation) if with_backward else invocation), outputs
 
     def backward(self, invocation: Invocation, grads: tuple) -> tuple:
-        self._before_backward(invocation)
+        self._before_backward(invocation, grads)
         graph = self.graph
         for slot, g in zip(self.grad_output_slots, grads):
             if slot is None:
@@ -278,8 +315,14 @@ class GraphRunner(Runner):
             else:
                 _copy_in(slot, g)
         through_autograd = invocation.through_autograd
+        # A backward asked only for some inputs' gradients (torch.autograd.grad, or
+        # backward(inputs=...)) leaves the parameters' .grad alone, as eager autograd does:
+        # the graph still accumulates into the buffers, which are put back afterwards.
+        kept = None
         if through_autograd:
             graph.param_grads.prepare_autograd()
+        elif self.anchor and not compat.engine_will_execute(self.anchor_node):
+            kept = [b.clone() for b in graph.param_grads.buffers]
         else:
             graph.param_grads.prepare_in_graph()
         if invocation.record:
@@ -288,6 +331,9 @@ class GraphRunner(Runner):
         graph.bwd_graph.replay()
         if moved:
             graph.sync_backward.after_replay(moved)
+        if kept is not None:
+            for buffer, value in zip(graph.param_grads.buffers, kept):
+                buffer.copy_(value)
         graph.fp8.after_backward(invocation.fp8_first)
         self._after_backward()
         input_grads = tuple(
@@ -309,6 +355,7 @@ class GraphRunner(Runner):
         if self.graph.wgrad is not None:
             self.graph.wgrad.reset()
         self.graph = None
+        self.handout = None
         self.wgrad, self.has_wgrad = None, False
         self.static_inputs = self.static_outputs = ()
         self.input_slots = self.grad_output_slots = ()
@@ -319,7 +366,7 @@ class EagerRunner(Runner):
     """Same wrapper, no graphs: runs the callable on the static buffers at every call."""
 
     def __init__(self, spec: GraphSpec, warmup: WarmupRecord, fp8: Any, clock: Any = NO_CLOCK, variant: int = 0,
-                 wgrad_book: Optional[WgradBook] = None):
+                 wgrad_book: Optional[WgradBook] = None, options: ReplayOptions = ReplayOptions()):
         super().__init__(spec, clock, variant, warmup.updated, wgrad_book, warmup.wgrad)
         self.spec = spec
         self.fp8 = fp8  # the checks an FP8 graph's calls get (te_support.fp8_replay)
@@ -327,9 +374,20 @@ class EagerRunner(Runner):
         self.static_inputs = spec.static_inputs
         self.input_slots = tuple(map(_Slot, spec.static_inputs))
         self.output = warmup.output
+        self.non_differentiable = tuple(i for i, o in enumerate(warmup.output.tensors) if not o.requires_grad)
+        self.multi_output = len(warmup.output.tensors) - len(self.non_differentiable) > 1
+        # The parameters whose gradients the graphs always hand to autograd (tied weights;
+        # all with accumulate_grads_in_graph=False) do the same here: the forward runs on
+        # stand-ins for them (``parameters``), whose fresh gradients leave the backward through
+        # the call's autograd node, so every use of one is summed before it reaches .grad.
+        used = [p for i, p in enumerate(spec.params) if i not in warmup.unused_params]
+        routed = used if options.always_autograd else [spec.params[i] for i in sorted(spec.tied_params)]
+        self.routed = StandIns([spec.func], only=routed) if routed and isinstance(spec.func, torch.nn.Module) else None
+        self.handout = EagerOutputs(self.name, spec)
 
     def through_autograd(self) -> bool:
-        return False  # the real module runs: its parameters' hooks see autograd as usual
+        # Otherwise the real module runs: its parameters' hooks see autograd as usual.
+        return self.routed is not None
 
     def forward(self, inputs: tuple[torch.Tensor, ...], through_autograd: bool, with_backward: bool = True,
                 is_first_microbatch: Any = None) -> tuple[Invocation, tuple]:
@@ -338,29 +396,43 @@ class EagerRunner(Runner):
         self.fp8.before_forward(self.name, is_first_microbatch)
         self._copy_inputs(inputs)
         tick = self.clock.forward(self.variant, self.shape)
+        self.handout.before_call()
         args, kwargs = spec.layout.unflatten(self.static_inputs)
         if is_first_microbatch is not None and self.takes_first_microbatch:
             kwargs["is_first_microbatch"] = is_first_microbatch  # TE's weight cache, eagerly
+        routed = self.routed is not None and through_autograd
         with torch.enable_grad() if spec.needs_backward and with_backward else torch.no_grad():
-            outputs = self.output.tensors_of(spec.call(*args, **kwargs))
+            with self.routed.installed() if routed else contextlib.nullcontext():
+                outputs = self.output.tensors_of(spec.call(*args, **kwargs))
         if self.updated:
             self._copy_back(inputs)
         # Its grads are the live backward's own tensors, never graph memory: nothing to copy.
-        invocation = Invocation(self.generation, tick, (), (), False, outputs)
-        return invocation, tuple(o.detach() for o in outputs)
+        invocation = Invocation(self.generation, tick, (), (), routed, outputs)
+        detached = self.handout.hand_out(outputs)
+        return (self._issued(invocation) if with_backward else invocation), detached
 
     def backward(self, invocation: Invocation, grads: tuple) -> tuple:
-        self._before_backward(invocation)
+        self._before_backward(invocation, grads)
         pairs = [(o, g) for o, g in zip(invocation.outputs, grads) if o.requires_grad]
-        with grads_redirected(self.spec.grad_inputs):
-            if pairs:
-                torch.autograd.backward(
-                    [o for o, _ in pairs],
-                    [torch.zeros_like(o) if g is None else g for o, g in pairs],
-                    retain_graph=self.retains_graph,
-                )
+        outputs = [o for o, _ in pairs]
+        grads_ = [torch.zeros_like(o) if g is None else g for o, g in pairs]
+        routed = self.routed(self.params) if invocation.through_autograd else ()
+        if not invocation.through_autograd and self.anchor and not compat.engine_will_execute(self.anchor_node):
+            # Only some inputs' gradients are asked for: no parameter takes one (as eager).
+            wanted = [t for t in self.static_inputs if t.requires_grad]
+            found = iter(torch.autograd.grad(outputs, wanted, grads_, retain_graph=self.retains_graph,
+                                             allow_unused=True) if pairs and wanted else ())
             self._after_backward()
-            return tuple(t.grad for t in self.static_inputs) + (None,) * len(self.anchor)
+            return tuple(next(found) if t.requires_grad else None for t in self.static_inputs) + (None,) * len(self.anchor)
+        stand_ins = [p for p in routed if p is not None]
+        with grads_redirected(self.spec.grad_inputs + tuple(stand_ins)):
+            if pairs:
+                torch.autograd.backward(outputs, grads_, retain_graph=self.retains_graph)
+            self._after_backward()
+            input_grads = tuple(t.grad for t in self.static_inputs)
+            if invocation.through_autograd:
+                return input_grads + tuple(None if s is None else s.grad for s in routed)
+            return input_grads + (None,) * len(self.anchor)
 
     def _run_wgrad(self) -> None:
         check_grads_as_captured(self.name, self.wgrad, self.spec.params)  # as the graphs check
@@ -372,6 +444,105 @@ class EagerRunner(Runner):
         self.static_inputs = self.input_slots = ()
         self.output = None
         self.wgrad, self.has_wgrad = None, False
+
+
+_OVERWRITTEN = (
+    "{name}: this output was overwritten by a later call of the same graph (a graph writes its "
+    "outputs into the same memory at every replay). Clone an output you keep past the graph's "
+    "next call (y.clone()), or capture one graph per microbatch (order=...)."
+)
+
+
+def _module_memory(spec: GraphSpec) -> tuple[torch.Tensor, ...]:
+    """The parameters and buffers of a graphed module: an output viewing one is the module's
+    own memory, not the graph's, and stays right after any number of calls."""
+    if not isinstance(spec.func, torch.nn.Module):
+        return ()
+    return tuple(spec.func.parameters()) + tuple(spec.func.buffers())
+
+
+class GraphOutputs:
+    """The tensors a graph's calls hand out, and the check that makes an output overwritten
+    by a later replay raise when it is read, as CUDA Graph Trees do (``compat.poison``).
+
+    The outputs handed out view the graph's static outputs through storages of their own
+    (``compat.weak_alias``); before a replay, one whose storage someone still holds (the
+    caller kept the output, or a view of it) is poisoned and a fresh alias takes its place.
+    The common call pays one use-count read per output. Outputs that are the module's own
+    memory (a view of a parameter) are never overwritten and never poisoned. Where torch
+    cannot poison a storage (its CPU builds) the static outputs are handed out as they are.
+    """
+
+    def __init__(self, name: str, static: tuple[torch.Tensor, ...], spec: GraphSpec):
+        self.name = name
+        own = _module_memory(spec)
+        self._static = static
+        self._guarded = tuple(
+            compat.CAN_POISON and type(o) is torch.Tensor and o.device.type == "cuda"
+            and not any(shares_memory(o, m) for m in own)
+            for o in static
+        )
+        self._current = tuple(self._alias(o, guarded) for o, guarded in zip(static, self._guarded))
+        self._storages = tuple(t.untyped_storage() if g else None for t, g in zip(self._current, self._guarded))
+        self._baseline = tuple(compat.use_count(s) if s is not None else 0 for s in self._storages)
+
+    @staticmethod
+    def _alias(t: torch.Tensor, guarded: bool) -> torch.Tensor:
+        return compat.weak_alias(t) if guarded else t
+
+    def before_replay(self) -> None:
+        """Poison each output of the last call that is still held, before the replay
+        overwrites it."""
+        held = [
+            i for i, s in enumerate(self._storages)
+            if s is not None and compat.use_count(s) > self._baseline[i]
+        ]
+        if not held:
+            return
+        current = list(self._current)
+        for i in held:
+            compat.poison(current[i], _OVERWRITTEN.format(name=self.name))
+            current[i] = self._alias(self._static[i], True)
+        self._current = tuple(current)
+        self._storages = tuple(t.untyped_storage() if g else None for t, g in zip(self._current, self._guarded))
+        self._baseline = tuple(compat.use_count(s) if s is not None else 0 for s in self._storages)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return tuple(t.detach() for t in self._current)
+
+
+class EagerOutputs:
+    """Eager replay's mirror of :class:`GraphOutputs`: each call's outputs are new tensors,
+    and where graphs would have overwritten them (the module's next call) the ones still
+    held are poisoned, so that a program that reads an overwritten output fails the same
+    way in both (on a CUDA device, where torch can poison a storage)."""
+
+    def __init__(self, name: str, spec: GraphSpec):
+        self.name = name
+        self._own = _module_memory(spec)
+        self._held: list = []
+
+    def hand_out(self, outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        detached = tuple(o.detach() for o in outputs)
+        self._held = [weakref.ref(t) for t in detached if compat.CAN_POISON and type(t) is torch.Tensor and t.device.type == "cuda"]
+        return detached
+
+    def before_call(self) -> None:
+        for ref in self._held:
+            t = ref()
+            if t is not None and not any(shares_memory(t, m) for m in self._own):
+                compat.poison(t, _OVERWRITTEN.format(name=self.name))
+        self._held = []
+
+
+class _Nothing:
+    """What ``Runner._waiting`` holds before the first call: a dead weak reference."""
+
+    def __call__(self) -> None:
+        return None
+
+
+_NOTHING = _Nothing()
 
 
 class _Slot:

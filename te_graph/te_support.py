@@ -37,7 +37,7 @@ import torch
 
 __all__ = [
     "FP8_ARGUMENTS", "FP8Options", "fp8_options", "te_modules_in", "FP8Capture", "fp8_replay",
-    "NO_FP8", "accepts_is_first_microbatch", "is_quantized_tensor", "forget_stand_in_caches", "visited_te_modules", "FP8Checks", "FP8Replay",
+    "NO_FP8", "accepts_is_first_microbatch", "is_te_module", "is_quantized_tensor", "forget_stand_in_caches", "visited_te_modules", "FP8Checks", "FP8Replay",
 ]
 
 _DEPRECATED = {
@@ -154,6 +154,12 @@ def te_modules_in(module: Any) -> bool:
         return False
     kinds = _te_kinds(te)
     return any(isinstance(m, kinds) for m in module.modules())
+
+
+def is_te_module(module: Any) -> bool:
+    """Whether ``module`` is one of Transformer Engine's modules (False without TE imported)."""
+    te = _te_loaded()
+    return te is not None and isinstance(module, _te_kinds(te))
 
 
 def _te_kinds(te: Any) -> tuple[type, type, type]:

@@ -23,10 +23,11 @@ import torch.utils._pytree as pytree
 import rng
 from checkpointing.capture_hook import capture_hook_set
 
+from . import compat
 from .te_support import FP8Capture, visited_te_modules
 from .grads import grads_redirected
 from .layout import OutputLayout
-from .module_state import InputUpdates, ModuleBuffers
+from .module_state import InputUpdates, ModuleState, shares_memory
 from .parameters import ForeignLeaves, StandIns
 from .recompute_rng import BackwardDraws, ForwardDraws, StreamUse
 from .records import GraphSpec, WarmupRecord
@@ -44,11 +45,12 @@ def warm_up(
     tracker: Any,
     record_draws: bool,
     stand_ins: StandIns,
-    buffers: ModuleBuffers,
+    state: ModuleState,
     updates: InputUpdates,
     fp8: Optional[FP8Capture] = None,
 ) -> list[WarmupRecord]:
-    """Run the warmup passes over ``specs`` in the forward order of ``steps``."""
+    """Run the warmup passes over ``specs`` in the forward order of ``steps``; after each
+    pass, ``state`` compares what the forwards changed of the modules."""
     device = torch.device("cuda", torch.cuda.current_device()) if record_draws else None
     forwards = [step.flat_index for step in steps if step.kind == FORWARD]
     outputs_seen: dict[int, OutputLayout] = {}
@@ -56,6 +58,7 @@ def warm_up(
     updated_seen: dict[int, tuple[int, ...]] = {}
     te_seen: dict[int, tuple] = {}
     wgrad_seen: dict[int, DelayedWgrad] = {}
+    used_seen: dict[int, frozenset] = {}
     draws: dict[int, tuple[Optional[StreamUse], Optional[StreamUse]]] = {}
     for iteration in range(num_iters):
         first, last = iteration == 0, iteration == num_iters - 1
@@ -71,15 +74,19 @@ def warm_up(
                     outputs, forward_use = _forward(spec, watch, tracker, leaves, fp8)
                 if te_modules is not None:
                     te_seen[index] = tuple(te_modules)
-                buffers.check_not_reassigned()
+                state.check_not_reassigned()
+                if first or last:
+                    out = tuple(_tensor_leaves(outputs))
+                    state.check_references(spec.owner, spec.static_inputs, out)
                 if first:
+                    _check_first_forward(spec, out)
                     outputs_seen[index] = OutputLayout(spec.name, outputs).without_memory()
                     updated_seen[index] = _check_updated(spec, inputs.close())
                 backward_use = None
                 if spec.needs_backward:
                     delayed = delayed_wgrad_modules(te_seen.get(index, ()))
-                    unused, backward_use, learned = _backward(spec, stand_ins, outputs, watch, tracker, delayed,
-                                                              wgrad_seen.get(index))
+                    unused, backward_use, learned, used = _backward(spec, stand_ins, outputs, watch, tracker, delayed,
+                                                                    wgrad_seen.get(index))
                     if learned is not None:
                         wgrad_seen[index] = learned
                     if leaves is not None:
@@ -87,14 +94,17 @@ def warm_up(
                     if first:
                         _check_unused(spec, unused, allow_unused_input)
                         unused_seen[index] = unused
+                        used_seen[index] = used
                 del outputs
             if watch is not None:
                 draws[index] = (forward_use, backward_use)
+        state.after_pass(executed=True)
     return [
         WarmupRecord(
             output=outputs_seen[i], unused=unused_seen.get(i, ()), updated=updated_seen[i],
             te_modules=te_seen.get(i, ()), forward_draws=draws.get(i, (None, None))[0],
             backward_draws=draws.get(i, (None, None))[1], wgrad=wgrad_seen.get(i),
+            unused_params=frozenset(range(len(specs[i].params))) - used_seen.get(i, frozenset(range(len(specs[i].params)))),
         )
         for i in range(len(specs))
     ]
@@ -166,9 +176,39 @@ def _backward(spec: GraphSpec, stand_ins: StandIns, outputs: Any, device, tracke
     if delayed:
         check_no_queued_work(delayed, f"after {spec.name}'s weight-gradient pass in warmup: it runs more "
                              "than once in one forward, which te_graph cannot graph")
+    used = frozenset(i for i, p in enumerate(stand) if p.grad is not None)  # eager leaves the others' .grad alone
     for p in stand:
         p.grad = None  # throwaway: the next pass starts clean
-    return unused, draws.close() if draws is not None else None, learned
+    return unused, draws.close() if draws is not None else None, learned, used
+
+
+def _tensor_leaves(outputs: Any) -> list[torch.Tensor]:
+    return [o for o in pytree.tree_leaves(outputs) if isinstance(o, torch.Tensor)]
+
+
+def _check_first_forward(spec: GraphSpec, outputs: Sequence[torch.Tensor]) -> None:
+    """What the first forward shows that no replay could do: hooks it registered on its
+    inputs (they would stay on te_graph's static buffers and never see a call's input), and
+    outputs that are its inputs (a graph's outputs are its own buffers)."""
+    for index, t in enumerate(spec.static_inputs):
+        if compat.tensor_hooks(t) or t.retains_grad or (compat.HAS_POST_ACCUMULATE_HOOKS and compat.post_accumulate_hooks(t)):
+            raise ValueError(
+                f"make_graphed_callables: the forward of {spec.name} registers a hook on its "
+                f"{spec.layout.label(index)} (register_hook, retain_grad, ...); it would stay on "
+                "te_graph's static input buffer and never see the tensor a call passes. Register "
+                "the hook on the input before calling the graphed callable, or on an activation "
+                "inside the forward."
+            )
+    for position, o in enumerate(outputs):
+        for index, t in enumerate(spec.static_inputs):
+            if shares_memory(o, t):
+                raise ValueError(
+                    f"make_graphed_callables: {spec.name} returns its {spec.layout.label(index)} (or "
+                    f"a view of it) as output {position}; a graph's outputs are buffers of its own, so "
+                    "this output would be te_graph's static input buffer, overwritten at the next "
+                    "call, instead of your tensor. Return a copy (x.clone()), or leave the input out "
+                    "of the outputs (the caller has it)."
+                )
 
 
 def _check_updated(spec: GraphSpec, updated: tuple[int, ...]) -> tuple[int, ...]:
