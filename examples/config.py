@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="use the processes beyond --tensor-parallel as data-parallel replicas (torch "
                    "DDP; each replica trains on other batches)")
     p.add_argument("--eager-replay", action="store_true",
-                   help="with --graphs, run te_graph's wrapper without graphs (debugging; CPU too)")
+                   help="run te_graph's graphed wrapper without graphs (debugging; CPU too); implies --graphs")
     p.add_argument("--compare", action="store_true",
                    help="run eager and graphed back to back with the same seed; print the speedup "
                    "and whether the losses and final weights matched bitwise")
@@ -169,8 +169,11 @@ def resolve(args: argparse.Namespace, world: int = 1, local_rank: int = 0) -> tu
         raise _fail("pass either --seq or --seq-buckets, not both (the buckets are the lengths).")
     if buckets:
         values["seq"] = max(buckets)
-    graphs = args.graphs if args.graphs is not None else kind == "cuda"
     eager_replay = args.eager_replay
+    if eager_replay and args.graphs is False:
+        raise _fail("--eager-replay runs te_graph's graphed wrapper without graphs; it cannot go with --no-graphs.")
+    # --eager-replay is te_graph's wrapper without graphs, so it implies --graphs.
+    graphs = args.graphs if args.graphs is not None else (kind == "cuda" or eager_replay)
     if kind != "cuda" and not (graphs and eager_replay):
         if not cuda:
             notes.append("CUDA not available: training eagerly on CPU (graphs need a GPU).")

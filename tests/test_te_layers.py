@@ -7,7 +7,8 @@ bitwise: outputs, input grads, parameter grads at every step, weights after the 
 the FP8 meta of every module (amax history and scales). Rows cover bf16 parameters and FP8
 primary weights (``te.quantized_model_init``), whose SGD step re-quantizes them in place.
 
-Needs a GPU and Transformer Engine (on the GPU machine: ``source .te/setup.sh``); skipped
+Needs a GPU and Transformer Engine (``pip install -e ".[te]"``; on this project's GPU machine,
+``source .te/setup.sh``); skipped
 otherwise. TE is imported here only.
 """
 from __future__ import annotations
@@ -34,7 +35,7 @@ from tests.test_parity import assert_same as assert_parity
 HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not HAVE_TE, reason="needs Transformer Engine (on the GPU machine: source .te/setup.sh)"),
+    pytest.mark.skipif(not HAVE_TE, reason='needs Transformer Engine: pip install -e ".[te]" (the version the tests ran with)'),
 ]
 
 H, FFN, HEADS, S, B = 128, 256, 4, 32, 2
