@@ -10,7 +10,7 @@ setup(
     ),
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
-    packages=["te_graph", "checkpointing", "rng"],
+    packages=["te_graph", "te_graph.integrations", "checkpointing", "rng"],
     python_requires=">=3.10",
     install_requires=["torch>=2.4"],
     extras_require={

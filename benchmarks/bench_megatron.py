@@ -9,6 +9,10 @@ machine has no network: carry the wheel in ``.whl/``, see the report of issue 12
 
 Where megatron-core cannot be imported the script prints why and exits 0 (skipped).
 
+``--path gpt`` (first on the command line) times megatron-core's own path instead:
+GPTModel through Megatron's schedule, DDP and ``TECudaGraphHelper``, eager vs Transformer
+Engine's graphs vs te_graph's (``bench_megatron_gpt.py``; its options follow).
+
 The model: 12 ``TransformerLayer``s built from ``get_gpt_layer_local_spec()`` (Megatron's
 own modules, no Transformer Engine, no apex), h 1024, 16 heads, s 512, micro-batch 2, bf16
 (the layers cast to bf16 as Megatron's ``Float16Module`` does), hidden and attention
@@ -263,6 +267,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:2] == ["--path", "gpt"]:  # megatron-core's own loop and CUDA-graph helper
+        from bench_megatron_gpt import main as gpt_main  # noqa: PLC0415
+
+        return gpt_main(argv[2:])
     args = parse_args(argv)
     settings = settings_from(args)
     try:

@@ -16,6 +16,7 @@ from .states import (
     to_byte_state,
     to_generator_state,
 )
+from .discovery import TERegistryTracker, process_tracker
 from .seeding import model_parallel_cuda_manual_seed
 from .streams import DEFAULT_STREAM, live_stream_generators, streams_swapped
 from .tracker import (
@@ -34,6 +35,8 @@ __all__ = [
     "RNGState",
     "CudaRNGStatesTracker",
     "get_cuda_rng_tracker",
+    "process_tracker",
+    "TERegistryTracker",
     "model_parallel_cuda_manual_seed",
     "MODEL_PARALLEL_RNG",
     "EXPERT_PARALLEL_RNG",

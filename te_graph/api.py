@@ -116,7 +116,10 @@ def make_graphed_callables(
             shape does (the eager run warns once).
         eager_replay: run the same wrapper without graphs (debugging; works on CPU).
             Defaults to ``TE_GRAPH_EAGER_REPLAY``.
-        get_rng_state_tracker: tracker whose streams the callables fork (default: ours).
+        get_rng_state_tracker: tracker whose streams the callables fork. Default: the one
+            the process uses (``rng.process_tracker()``: ours when seeded, else
+            megatron-core's when initialised, else Transformer Engine's registry of tracker
+            states, as TE's graphs find it).
 
     Returns:
         The graphed callables in the form given: modules keep their identity (their
@@ -157,7 +160,7 @@ def make_graphed_callables(
         checks.check_devices([s.func for s in specs], [s.layout for s in specs], options.eager_replay)
 
     # 4. Warm up and capture (restores everything it changes if it fails).
-    tracker = get_rng_state_tracker() if get_rng_state_tracker is not None else rng.get_cuda_rng_tracker()
+    tracker = get_rng_state_tracker() if get_rng_state_tracker is not None else rng.process_tracker()
     if pool is None and not options.eager_replay:
         pool = torch.cuda.graph_pool_handle()
     first = largest_first(spec_sets)

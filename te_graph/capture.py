@@ -118,11 +118,12 @@ def prepare_graphs(spec_sets: Sequence[Sequence[GraphSpec]], steps: Sequence[Ste
                 # Eager replay makes one more pass where graphs capture, so that both see a
                 # forward's Python side effects as often (``ModuleState``).
                 passes = options.num_warmup_iters + (1 if options.eager_replay else 0)
-                warmups = [
-                    warm_up(shape_specs, steps, passes, options.allow_unused_input,
-                            options.tracker, not options.eager_replay, stand_ins, state, updates, fp8)
-                    for shape_specs in spec_sets
-                ]
+                with stand_ins.scratch_main_grads():
+                    warmups = [
+                        warm_up(shape_specs, steps, passes, options.allow_unused_input,
+                                options.tracker, not options.eager_replay, stand_ins, state, updates, fp8)
+                        for shape_specs in spec_sets
+                    ]
                 if options.post_warmup_hook is not None:
                     options.post_warmup_hook()
                 steps = _place_wgrad(spec_sets[0], warmups[0], steps, options.has_order)
@@ -334,6 +335,7 @@ def _record(spec: GraphSpec, forward: _Forward, bwd_graph, grad_outputs, grad_in
         updated_inputs=warmup.updated,
         fp8=fp8_replay(spec.fp8, options.fp8, warmup.te_modules, spec.has_te, graphs=True),
         wgrad=wgrad,
+        fused_params=tuple(spec.params[i] for i in sorted(warmup.fused_params)),
     )
 
 

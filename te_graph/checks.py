@@ -90,14 +90,15 @@ def check_modules(callables: Sequence[Callable]) -> None:
             continue
         modes.setdefault(c.training, index)
         for name, module in c.named_modules():
-            if getattr(module, "fuse_wgrad_accumulation", False) is True and hasattr(module, "wgrad_store"):
+            if (getattr(module, "fuse_wgrad_accumulation", False) is True and hasattr(module, "need_backward_dw")
+                    and module.need_backward_dw()):
                 where = f"submodule {name!r} of callable {index}" if name else f"callable {index}"
                 raise NotImplementedError(
-                    f"make_graphed_callables: {where} ({type(module).__name__}) is built with "
-                    "fuse_wgrad_accumulation=True: Transformer Engine then accumulates weight "
-                    "gradients into main_grad inside its kernels, which warmup would run too, and "
-                    "flags it (grad_added_to_main_grad) in Python code a replay skips. Not "
-                    "supported yet; build it with fuse_wgrad_accumulation=False."
+                    f"make_graphed_callables: {where} ({type(module).__name__}) is built with both "
+                    "fuse_wgrad_accumulation=True and delay_wgrad_compute=True: its weight-gradient "
+                    "pass would accumulate into main_grad and flag it (grad_added_to_main_grad) "
+                    "outside the backward, which te_graph does not replay yet. Build it with one of "
+                    "the two."
                 )
             hooks = compat.module_hook_dicts(module)
             if hooks:

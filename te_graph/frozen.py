@@ -29,6 +29,7 @@ from typing import Any, Iterable, Optional
 import torch
 
 from . import compat
+from .integrations import megatron
 from .module_state import MODULE_INTERNALS
 
 __all__ = ["Settings", "FrozenModule", "Fingerprint"]
@@ -125,9 +126,14 @@ class FrozenModule:
                 for kind in _HOOK_KINDS:
                     hook_tables.append(getattr(sub, kind))
                     hook_names.append(f"{kind[1:].replace('_', ' ')} on {where}")
+            fused = getattr(sub, "fuse_wgrad_accumulation", False) is True
             for name, p in compat.parameter_slots(sub).items():
                 if p is not None:
                     params.append((_qualified(prefix, name), p))
+                    if fused and isinstance(p.__dict__.get("main_grad"), torch.Tensor):
+                        # Transformer Engine's fused weight-gradient GEMM writes main_grad by address.
+                        slots.append(_Slot(p.__dict__, "main_grad", f"main_grad of parameter {_qualified(prefix, name)!r}"))
+                        values.append(p.__dict__["main_grad"])
         for kind, table in compat.global_module_hook_dicts():
             hook_tables.append(table)
             hook_names.append(f"global module {kind} (torch.nn.modules.module.register_module_{kind[:-1]})")
@@ -202,12 +208,11 @@ class FrozenModule:
         return found
 
     def _run_by_hand(self, name: str, table: dict) -> bool:
-        """Forward pre-hooks that Megatron's ``TECudaGraphHelper`` runs before each replay
-        (``cuda_graph_manual_hooks``: pairs of a hook and the submodule it is for)."""
+        """Forward pre-hooks that megatron-core's ``TECudaGraphHelper`` runs before each
+        replay (``integrations.megatron.hooks_run_by_hand``)."""
         if not name.startswith("forward pre hooks"):
             return False
-        manual = getattr(self.module, "cuda_graph_manual_hooks", None) or ()
-        covered = {id(args[0]) for _, args in manual if args}
+        covered = megatron.hooks_run_by_hand(self.module)
         return any(getattr(sub, "_forward_pre_hooks", None) is table and id(sub) in covered for sub in self.module.modules())
 
 

@@ -33,7 +33,7 @@ class GraphedCallable:
         self._layout = spec.layout
         self._module = spec.func if isinstance(spec.func, torch.nn.Module) else None
         self._training = spec.training
-        self._eager = spec.call
+        self._eager = spec.func.forward if self._module is not None else spec.call  # the other mode, unseen shapes
         self._unseen_shape = unseen_shape
         self._fingerprint = fingerprint  # what the graphs froze, checked at every call (``frozen``)
         self._warned = False

@@ -70,6 +70,29 @@ class StandIns:
         return tuple(self.of.get(id(p)) for p in params)
 
     @contextlib.contextmanager
+    def scratch_main_grads(self) -> Iterator[None]:
+        """Inside the block each stand-in's ``main_grad`` (Megatron's gradient buffer) is a
+        scratch tensor of its shape and dtype, shared by the parameters alike, so that what
+        warmup's kernels accumulate into it (Transformer Engine's fused weight-gradient GEMM,
+        ``fuse_wgrad_accumulation=True``) leaves the real ``main_grad`` as it was. Capture runs
+        outside the block: the captured kernels write the real one, at every replay."""
+        scratch: dict[tuple, torch.Tensor] = {}
+        swapped = []
+        for stand_in in self.of.values():
+            real = stand_in.__dict__.get("main_grad")
+            if isinstance(real, torch.Tensor):
+                key = (tuple(real.shape), real.dtype, real.device)
+                if key not in scratch:
+                    scratch[key] = torch.zeros(real.shape, dtype=real.dtype, device=real.device)
+                stand_in.main_grad = scratch[key]
+                swapped.append((stand_in, real))
+        try:
+            yield
+        finally:
+            for stand_in, real in swapped:
+                stand_in.main_grad = real
+
+    @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
         """Inside the block the modules hold the stand-ins; the real parameters come back
         on exit, also when the block raises."""

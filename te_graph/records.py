@@ -17,6 +17,7 @@ import torch
 
 from .grads import ParamGrads
 from .hooks import CaptureTimeHooks
+from .integrations import megatron
 from .te_support import te_modules_in
 from .layout import InputLayout, OutputLayout
 from .recompute_rng import StreamUse
@@ -32,7 +33,7 @@ class GraphSpec:
     name: str  # "callable 2 (GPTBlock)", with ", microbatch 1" under an order
     owner: str  # the callable's part of the name: "callable 2 (GPTBlock)"
     func: Callable  # what the user passed (module or function)
-    call: Callable  # what runs: the function, or the module's own forward (kept if replaced)
+    call: Callable  # what runs: the function, or the module's forward or routed __call__ (``_entry``)
     layout: InputLayout
     static_inputs: tuple[torch.Tensor, ...]  # detached leaves on the samples' memory
     params: tuple[torch.Tensor, ...]  # the real trainable parameters
@@ -74,8 +75,9 @@ def make_spec(
     input or a parameter), in train and in eval mode alike, as eager autograd would
     differentiate either; graphing under ``torch.no_grad()`` makes forward-only graphs.
     """
-    call = func.forward if isinstance(func, torch.nn.Module) else func
-    layout = InputLayout(name, args, kwargs, none_default_keywords(call))
+    call = _entry(func)
+    optional = none_default_keywords(call) | (none_default_keywords(func.forward) if isinstance(func, torch.nn.Module) else frozenset())
+    layout = InputLayout(name, args, kwargs, optional)
     params: tuple = ()
     training = True
     if isinstance(func, torch.nn.Module):
@@ -121,6 +123,19 @@ class SampleMemory:
         return t
 
 
+def _entry(func: Callable) -> Callable:
+    """What graphing calls: a function itself; a module's ``forward`` (module hooks are
+    refused, so ``__call__`` would add nothing), except where its class routes capture in
+    ``__call__``, as megatron-core's layers do while Megatron's capture flag is set
+    (Transformer Engine's graphs call ``__call__`` and get the routed function; te_graph
+    calls that function itself, so that eager replay does not route a call back to the
+    replay)."""
+    if not isinstance(func, torch.nn.Module):
+        return func
+    routed = megatron.capture_entry(func)
+    return routed if routed is not None else func.forward
+
+
 def none_default_keywords(call: Callable) -> frozenset:
     """The keyword parameters ``call`` declares with a default of ``None`` (a call may then
     leave them out, or pass None, where they were None at capture)."""
@@ -146,6 +161,9 @@ class WarmupRecord:
     # Parameters (indices into the spec's) that got no gradient in the first backward: eager
     # autograd leaves their .grad alone, and so do the graphs.
     unused_params: frozenset = frozenset()
+    # Parameters whose weight gradient a kernel accumulates into main_grad itself (Transformer
+    # Engine's fuse_wgrad_accumulation): each backward replay flags them as TE's Python does.
+    fused_params: frozenset = frozenset()
 
 
 @dataclass(frozen=True)
@@ -166,3 +184,6 @@ class CapturedGraph:
     updated_inputs: tuple[int, ...] = ()  # inputs the forward updates in place
     fp8: Any = None  # te_support.fp8_replay(): Transformer Engine's FP8 bookkeeping around replays
     wgrad: Any = None  # wgrad.WgradReplay: the weight-gradient pass, replayed by backward_dw()
+    # Parameters to flag grad_added_to_main_grad=True after each backward replay, as
+    # Transformer Engine's backward does for weights it accumulates into main_grad itself.
+    fused_params: tuple = ()

@@ -334,6 +334,8 @@ class GraphRunner(Runner):
         if kept is not None:
             for buffer, value in zip(graph.param_grads.buffers, kept):
                 buffer.copy_(value)
+        for p in graph.fused_params:
+            p.grad_added_to_main_grad = True  # as Transformer Engine's backward sets it
         graph.fp8.after_backward(invocation.fp8_first)
         self._after_backward()
         input_grads = tuple(

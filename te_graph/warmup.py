@@ -59,6 +59,7 @@ def warm_up(
     te_seen: dict[int, tuple] = {}
     wgrad_seen: dict[int, DelayedWgrad] = {}
     used_seen: dict[int, frozenset] = {}
+    fused_seen: dict[int, frozenset] = {}
     draws: dict[int, tuple[Optional[StreamUse], Optional[StreamUse]]] = {}
     for iteration in range(num_iters):
         first, last = iteration == 0, iteration == num_iters - 1
@@ -85,8 +86,8 @@ def warm_up(
                 backward_use = None
                 if spec.needs_backward:
                     delayed = delayed_wgrad_modules(te_seen.get(index, ()))
-                    unused, backward_use, learned, used = _backward(spec, stand_ins, outputs, watch, tracker, delayed,
-                                                                    wgrad_seen.get(index))
+                    unused, backward_use, learned, used, fused = _backward(
+                        spec, stand_ins, outputs, watch, tracker, delayed, wgrad_seen.get(index))
                     if learned is not None:
                         wgrad_seen[index] = learned
                     if leaves is not None:
@@ -95,6 +96,7 @@ def warm_up(
                         _check_unused(spec, unused, allow_unused_input)
                         unused_seen[index] = unused
                         used_seen[index] = used
+                        fused_seen[index] = fused
                 del outputs
             if watch is not None:
                 draws[index] = (forward_use, backward_use)
@@ -105,6 +107,7 @@ def warm_up(
             te_modules=te_seen.get(i, ()), forward_draws=draws.get(i, (None, None))[0],
             backward_draws=draws.get(i, (None, None))[1], wgrad=wgrad_seen.get(i),
             unused_params=frozenset(range(len(specs[i].params))) - used_seen.get(i, frozenset(range(len(specs[i].params)))),
+            fused_params=fused_seen.get(i, frozenset()),
         )
         for i in range(len(specs))
     ]
@@ -162,6 +165,9 @@ def _backward(spec: GraphSpec, stand_ins: StandIns, outputs: Any, device, tracke
     out = differentiable(outputs)
     grads = [torch.zeros_like(o) for o in out]
     draws = BackwardDraws(rng.live_stream_generators(tracker, device)) if device is not None else None
+    for s in stand_ins(spec.params):
+        if "grad_added_to_main_grad" in s.__dict__:
+            s.grad_added_to_main_grad = False
     if spec.hooks is not None:
         spec.hooks.run("backward_pre_hooks", spec.func)
     with grads_redirected(spec.grad_inputs):
@@ -172,6 +178,9 @@ def _backward(spec: GraphSpec, stand_ins: StandIns, outputs: Any, device, tracke
     if spec.hooks is not None:
         spec.hooks.run("backward_hooks", spec.func)
     stand = stand_ins(spec.params)
+    # A kernel that accumulated the weight gradient into main_grad itself says so with
+    # Megatron's flag (Transformer Engine's fuse_wgrad_accumulation; set on the stand-in).
+    fused = frozenset(i for i, s in enumerate(stand) if s.__dict__.get("grad_added_to_main_grad") is True)
     learned = learn_wgrad(delayed, spec.params, stand, known) if delayed else None
     if delayed:
         check_no_queued_work(delayed, f"after {spec.name}'s weight-gradient pass in warmup: it runs more "
@@ -179,7 +188,9 @@ def _backward(spec: GraphSpec, stand_ins: StandIns, outputs: Any, device, tracke
     used = frozenset(i for i, p in enumerate(stand) if p.grad is not None)  # eager leaves the others' .grad alone
     for p in stand:
         p.grad = None  # throwaway: the next pass starts clean
-    return unused, draws.close() if draws is not None else None, learned, used
+        if "grad_added_to_main_grad" in p.__dict__:
+            p.grad_added_to_main_grad = False  # the next backward sets it again, or not
+    return unused, draws.close() if draws is not None else None, learned, used, fused
 
 
 def _tensor_leaves(outputs: Any) -> list[torch.Tensor]:

@@ -1,0 +1,135 @@
+"""megatron-core's own CUDA-graph path with te_graph as the graph maker.
+
+Megatron-LM users turn per-layer graphs on with ``--cuda-graph-impl transformer_engine``;
+megatron-core's ``TECudaGraphHelper`` (``megatron/core/transformer/cuda_graphs.py``) then
+calls ``make_graphed_callables`` (Transformer Engine's, through a module-level name) with
+one entry per (layer, microbatch), and replays ``layer.cuda_graphs[mb](...)``.
+:func:`enable` makes that name te_graph's, and Megatron's checkpoint te_graph's
+(``checkpointing.checkpoint``, whose recompute draws the forward's exact dropout masks,
+also inside graphs); :func:`disable` puts both back. Nothing of Megatron is edited.
+
+What ``make_graphed_callables`` itself does for this path (no adapter needed):
+
+* the RNG tracker is found without being told (``rng.process_tracker``);
+* a layer is captured the way Megatron routes it while its capture flag is set
+  (:func:`capture_entry`: ``GraphableMegatronModule._te_cuda_graph_capture``);
+* Megatron's replay keywords, mostly ``None``, are accepted where the layer's ``forward``
+  defaults them to ``None`` (``layout.InputLayout``);
+* ``main_grad`` and gradient-accumulation fusion (Transformer Engine modules built with
+  ``fuse_wgrad_accumulation=True``) are replayed as TE's Python does them (``grads``,
+  ``parameters.StandIns.scratch_main_grads``);
+* the forward pre-hooks Megatron's DDP puts on submodules, which the helper runs by hand
+  before each replay (``cuda_graph_set_manual_hooks``), pass the per-call check
+  (:func:`hooks_run_by_hand`).
+
+Megatron refuses full recompute with per-layer graphs because its own checkpoint restores
+RNG states by reference, so its recompute draws other dropout masks. With :func:`enable`,
+recompute is exact; Megatron's config check still runs when its ``TransformerConfig`` is
+made, so set ``recompute_granularity="full"`` (with ``recompute_method`` and
+``recompute_num_layers``) on the config after constructing it (docs/migration.md).
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable, Optional
+
+import torch
+
+__all__ = ["enable", "disable", "enabled", "capture_entry", "hooks_run_by_hand", "checkpoint", "te_checkpoint"]
+
+_CUDA_GRAPHS = "megatron.core.transformer.cuda_graphs"
+# (module, attribute) pairs enable() replaces, with what it puts there.
+_PATCHES: dict[tuple[str, str], Any] = {}
+
+
+def _loaded(name: str) -> Optional[Any]:
+    return sys.modules.get(name)
+
+
+def capturing() -> bool:
+    """Whether megatron-core's capture flag is set (its helper sets it around capture)."""
+    graphs = _loaded(_CUDA_GRAPHS)
+    return graphs is not None and bool(graphs.is_graph_capturing())
+
+
+def capture_entry(module: torch.nn.Module) -> Optional[Callable]:
+    """What a megatron-core layer's ``__call__`` runs while Megatron's capture flag is set
+    (``GraphableMegatronModule._te_cuda_graph_capture``: the layer's captured part, returning
+    ``(hidden_states,)``), or None where that does not apply. Calling that function rather
+    than ``__call__`` keeps eager replay from routing a call back to the replay."""
+    route = getattr(module, "_te_cuda_graph_capture", None)
+    return route if route is not None and capturing() else None
+
+
+def hooks_run_by_hand(module: torch.nn.Module) -> set[int]:
+    """Ids of the submodules whose forward pre-hooks megatron-core's helper runs before each
+    replay of ``module`` (``cuda_graph_manual_hooks``: pairs of a hook and its arguments,
+    the submodule first)."""
+    manual = getattr(module, "cuda_graph_manual_hooks", None) or ()
+    return {id(args[0]) for _, args in manual if args}
+
+
+def checkpoint(function: Callable, distribute_saved_activations: bool, *args: Any) -> Any:
+    """megatron-core's ``tensor_parallel.checkpoint`` (its argument order) as te_graph's
+    checkpoint: exact dropout masks in the recompute, inside graphs too, with Megatron's RNG
+    tracker and tensor-parallel group."""
+    from checkpointing import checkpoint as exact  # noqa: PLC0415
+    from megatron.core import parallel_state  # noqa: PLC0415
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker  # noqa: PLC0415
+
+    group = parallel_state.get_tensor_model_parallel_group() if distribute_saved_activations else None
+    return exact(function, *args, distribute_saved_activations=distribute_saved_activations,
+                 get_rng_state_tracker=get_cuda_rng_tracker, tp_group=group)
+
+
+def te_checkpoint(forward_func: Callable, distribute_saved_activations: bool, get_rng_state_tracker: Callable,
+                  tp_group: Any, *args: Any, **kwargs: Any) -> Any:
+    """megatron-core's ``te_checkpoint`` (used under FP8) as te_graph's checkpoint."""
+    from checkpointing import checkpoint as exact  # noqa: PLC0415
+
+    return exact(forward_func, *args, distribute_saved_activations=distribute_saved_activations,
+                 get_rng_state_tracker=get_rng_state_tracker, tp_group=tp_group, **kwargs)
+
+
+def enable(recompute: bool = True) -> None:
+    """Make megatron-core's helper graph with te_graph, and (``recompute``) Megatron's
+    checkpoints recompute exactly. Call after importing megatron-core, before
+    ``TECudaGraphHelper.create_cudagraphs()``; :func:`disable` undoes it."""
+    import te_graph  # noqa: PLC0415
+
+    try:
+        import megatron.core.tensor_parallel  # noqa: F401, PLC0415
+        import megatron.core.transformer.cuda_graphs  # noqa: F401, PLC0415
+    except ImportError as error:
+        raise RuntimeError(f"te_graph.integrations.megatron.enable(): megatron-core does not import ({error}).") from error
+    _patch(_CUDA_GRAPHS, "make_graphed_callables", te_graph.make_graphed_callables)
+    if recompute:
+        _patch("megatron.core.tensor_parallel", "checkpoint", checkpoint)
+        _patch("megatron.core.tensor_parallel.random", "checkpoint", checkpoint)
+        for name in ("megatron.core.recompute", "megatron.core.extensions.transformer_engine"):
+            if _loaded(name) is not None and hasattr(_loaded(name), "te_checkpoint"):
+                _patch(name, "te_checkpoint", te_checkpoint)
+
+
+def disable() -> None:
+    """Put back everything :func:`enable` replaced."""
+    for (name, attribute), original in list(_PATCHES.items()):
+        module = _loaded(name)
+        if module is not None:
+            setattr(module, attribute, original)
+        del _PATCHES[(name, attribute)]
+
+
+def enabled() -> bool:
+    graphs = _loaded(_CUDA_GRAPHS)
+    import te_graph  # noqa: PLC0415
+
+    return graphs is not None and getattr(graphs, "make_graphed_callables", None) is te_graph.make_graphed_callables
+
+
+def _patch(name: str, attribute: str, value: Any) -> None:
+    module = sys.modules[name]
+    key = (name, attribute)
+    if key not in _PATCHES:
+        _PATCHES[key] = getattr(module, attribute, None)
+    setattr(module, attribute, value)
