@@ -90,8 +90,19 @@ def check_modules(callables: Sequence[Callable]) -> None:
             continue
         modes.setdefault(c.training, index)
         for name, module in c.named_modules():
-            if (getattr(module, "fuse_wgrad_accumulation", False) is True and hasattr(module, "need_backward_dw")
-                    and module.need_backward_dw()):
+            fused = getattr(module, "fuse_wgrad_accumulation", False) is True and hasattr(module, "need_backward_dw")
+            missing = [w for w in getattr(module, "weight_names", ()) if fused and getattr(module, w, None) is not None
+                       and getattr(module, w).requires_grad and not hasattr(getattr(module, w), "main_grad")]
+            if missing:
+                where = f"submodule {name!r} of callable {index}" if name else f"callable {index}"
+                raise ValueError(
+                    f"make_graphed_callables: {where} ({type(module).__name__}) is built with "
+                    f"fuse_wgrad_accumulation=True, but its weight {missing[0]!r} has no main_grad: "
+                    "its backward accumulates the weight gradient into that buffer (Megatron's DDP "
+                    "attaches it). Wrap the model in the DDP that attaches main_grad before graphing, "
+                    "or build the module with fuse_wgrad_accumulation=False."
+                )
+            if fused and module.need_backward_dw():
                 where = f"submodule {name!r} of callable {index}" if name else f"callable {index}"
                 raise NotImplementedError(
                     f"make_graphed_callables: {where} ({type(module).__name__}) is built with both "

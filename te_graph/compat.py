@@ -41,7 +41,8 @@ __all__ = [
     "accumulate_grad_node",
     "engine_will_execute",
     "CAN_POISON",
-    "poison",
+    "poison_storage",
+    "poison_tensor",
     "use_count",
 ]
 
@@ -235,15 +236,23 @@ engine_will_execute: Callable[[Any], bool] = getattr(torch._C, "_will_engine_exe
 
 
 # -- outputs overwritten by a later replay --------------------------------------------------
-# CUDA Graph Trees (torch/_inductor/cudagraph_trees.py) make a storage raise when its data is
-# accessed with ``torch._C._set_storage_access_error_msg`` and count a storage's references
-# with ``torch._C._storage_Use_Count`` (both private, in CUDA builds of torch >= 2.1; CPU
-# builds lack the first, so there nothing is poisoned).
-CAN_POISON = hasattr(torch._C, "_set_storage_access_error_msg") and hasattr(torch._C, "_storage_Use_Count")
+# CUDA Graph Trees (torch/_inductor/cudagraph_trees.py) make data access raise: on a storage
+# with ``torch._C._set_storage_data_ptr_access_error_msg`` (it drops the storage's data
+# pointer: on an alias storage that owns nothing, nothing is freed), on one tensor with
+# ``torch._C._set_storage_access_error_msg`` (it detaches that tensor from its storage); and
+# count a storage's references with ``torch._C._storage_Use_Count``. All private, in CUDA
+# builds of torch >= 2.2; CPU builds lack the first two, so there nothing is poisoned.
+CAN_POISON = all(hasattr(torch._C, name) for name in (
+    "_set_storage_data_ptr_access_error_msg", "_set_storage_access_error_msg", "_storage_Use_Count"))
 
 
-def poison(t: torch.Tensor, message: str) -> None:
-    """Make every later access to the data of ``t``'s storage raise ``message``."""
+def poison_storage(storage: Any, message: str) -> None:
+    """Make every later data access of every tensor on ``storage`` raise ``message``."""
+    torch._C._set_storage_data_ptr_access_error_msg(storage._cdata, message)
+
+
+def poison_tensor(t: torch.Tensor, message: str) -> None:
+    """Make every later data access of ``t`` itself (not of other views) raise ``message``."""
     torch._C._set_storage_access_error_msg(t, message)
 
 

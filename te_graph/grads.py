@@ -132,6 +132,10 @@ class ParamGrads:
         parameter has no ``.grad`` yet, or tensor hooks see it); otherwise autograd adds it
         into the existing ``.grad`` and lets it go, so the buffer itself is handed over.
         """
+        if self.tied:
+            # Another graph's backward in this same backward zeroes and refills the shared
+            # buffer before autograd has summed this gradient with its.
+            return tuple(b.clone() for b in self.buffers)
         if not clone:
             return tuple(b.detach() for b in self.buffers)
         return tuple(

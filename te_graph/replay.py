@@ -503,7 +503,7 @@ class GraphOutputs:
             return
         current = list(self._current)
         for i in held:
-            compat.poison(current[i], _OVERWRITTEN.format(name=self.name))
+            compat.poison_storage(self._storages[i], _OVERWRITTEN.format(name=self.name))
             current[i] = self._alias(self._static[i], True)
         self._current = tuple(current)
         self._storages = tuple(t.untyped_storage() if g else None for t, g in zip(self._current, self._guarded))
@@ -517,7 +517,9 @@ class EagerOutputs:
     """Eager replay's mirror of :class:`GraphOutputs`: each call's outputs are new tensors,
     and where graphs would have overwritten them (the module's next call) the ones still
     held are poisoned, so that a program that reads an overwritten output fails the same
-    way in both (on a CUDA device, where torch can poison a storage)."""
+    way in both (on a CUDA device, where torch can poison). The tensor handed out is
+    poisoned, not its storage (which the live output owns): a view the caller made of it
+    keeps its values here, where with graphs it raises too."""
 
     def __init__(self, name: str, spec: GraphSpec):
         self.name = name
@@ -533,7 +535,7 @@ class EagerOutputs:
         for ref in self._held:
             t = ref()
             if t is not None and not any(shares_memory(t, m) for m in self._own):
-                compat.poison(t, _OVERWRITTEN.format(name=self.name))
+                compat.poison_tensor(t, _OVERWRITTEN.format(name=self.name))
         self._held = []
 
 

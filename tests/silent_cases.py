@@ -245,6 +245,8 @@ class Case:
     # A difference the guarantee states (a phrase of its condition in docs/capture-and-replay.md):
     # the harness then expects rounding differences, and says so.
     documented: str = ""
+    # The eager program a documented case equals bitwise (None: it differs by rounding).
+    same_as: Optional["Case"] = None
 
     def __str__(self) -> str:
         return self.id
@@ -634,7 +636,11 @@ ROUNDING = [
     Case("channels-last-input", "rounding", "feeds a channels-last image to graphed convolutions",
          build=nets(make=Conv), samples=lambda st: [(st.sample(B, 4, 8, 8),) for _ in st.layers],
          input=make_input((B, 4, 8, 8), view=lambda t: t.contiguous(memory_format=torch.channels_last)),
-         documented="an input in another memory layout than its sample"),
+         documented="an input in another memory layout than its sample",
+         # what the graphs compute: the input copied into its sample's (contiguous) layout
+         same_as=Case("channels-last-input-copied", "rounding", "the same, the input copied to a contiguous one",
+                      build=nets(make=Conv), samples=lambda st: [(st.sample(B, 4, 8, 8),) for _ in st.layers],
+                      input=make_input((B, 4, 8, 8), view=lambda t: t.contiguous(memory_format=torch.channels_last).contiguous()))),
     Case("input-also-used-outside", "rounding", "uses a layer's input inside (residual) and outside the layer",
          build=nets(make=Residual), forward=used_outside,
          documented="an input that the layer uses more than once and that also feeds other operations"),

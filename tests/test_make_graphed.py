@@ -134,9 +134,19 @@ def test_stale_backward_is_refused():
     (graphed,) = make_graphed_callables(tuple(blocks), sample)
     x1 = torch.randn(SHAPE, device="cuda", requires_grad=True)
     y1, _ = graphed(x1)
-    y2, _ = graphed(torch.randn(SHAPE, device="cuda", requires_grad=True))
-    with pytest.raises(RuntimeError, match="a later forward replay of the same graph has overwritten"):
-        y1.sum().backward()
+    # A second forward while the first one's backward may still come: refused at the call,
+    # before its replay overwrites the first call's activations.
+    with pytest.raises(RuntimeError, match=re.escape(
+            "callable 0 (GPTBlock): called again while the backward of its previous call has not run")):
+        graphed(torch.randn(SHAPE, device="cuda", requires_grad=True))
+    y1.sum().backward()  # the first call's backward is still right
+    y2, _ = graphed(torch.randn(SHAPE, device="cuda", requires_grad=True))  # and the next call goes on
+    with torch.no_grad(), pytest.raises(RuntimeError, match=re.escape(
+            "callable 0 (GPTBlock): called again while the backward of its previous call has not run")):
+        graphed(torch.randn(SHAPE, device="cuda"))  # a no-grad call would overwrite them too
+    del y2  # a call whose result is dropped waits for no backward
+    with torch.no_grad():
+        graphed(torch.randn(SHAPE, device="cuda"))
 
 
 @pytest.mark.gpu

@@ -248,6 +248,8 @@ def _error(e: BaseException, st: State) -> Outcome:
     text = f"at {st.where}: {type(e).__name__}: {message}"
     if not CLEAR.match(message):
         return Outcome("crash", text)
+    if "this output was overwritten by a later call" in message:
+        return Outcome("refused", text)  # raised by the read of the stale value itself, wherever it comes
     now = snapshot(st, forwards=st.where == "make_graphed_callables")
     changed = [k for k in st.before.keys() | now.keys()
                if k not in st.before or k not in now or not same(st.before[k], now[k])]
@@ -298,6 +300,12 @@ def outcome(case: Case, mode: str, device: str) -> Outcome:
     diff = compare(got.observed, reference(case.id, device))
     if diff is None:
         return Outcome("equal")
+    if case.documented and case.same_as is not None:
+        twin = compare(got.observed, reference(case.same_as.id, device))
+        if twin is None:
+            return Outcome("documented", f"as the guarantee states for {case.documented}: bitwise equal to "
+                                         f"{case.same_as.doc!r}; {diff}")
+        return Outcome("silent", f"{diff}; and against {case.same_as.id!r}: {twin}")
     if case.documented and _rounding_only(got.observed, reference(case.id, device)):
         return Outcome("documented", f"rounding, as the guarantee states for {case.documented}: {diff}")
     return Outcome("silent", diff)
@@ -309,14 +317,16 @@ def _rounding_only(got: list, want: list) -> bool:
     for (_, g), (_, w) in zip(got, want):
         if isinstance(g, torch.Tensor) and isinstance(w, torch.Tensor) and g.shape == w.shape and g.is_floating_point():
             scale = w.double().abs().max().item() if w.numel() else 0.0
-            if not torch.allclose(g.double(), w.double(), rtol=0, atol=1e-4 * scale + 1e-6):
+            # 1e-3 of the scale: float32 summation order, or TF32 kernels (cuDNN's default) for
+            # another layout; NaN or a wrong value is far beyond it.
+            if not torch.allclose(g.double(), w.double(), rtol=0, atol=1e-3 * scale + 1e-6):
                 return False
         elif not same(g, w):
             return False
     return len(got) == len(want)
 
 
-BY_ID = {case.id: case for case in CASES}
+BY_ID = {case.id: case for case in CASES + [c.same_as for c in CASES if c.same_as is not None]}
 
 
 # -- tests ------------------------------------------------------------------------------------------
@@ -358,7 +368,7 @@ def test_graphs_and_eager_replay_agree(case):
 
 def test_cases_are_well_formed():
     assert len(CASES) >= 48
-    assert len(BY_ID) == len(CASES), "two cases share an id"
+    assert len({case.id for case in CASES}) == len(CASES), "two cases share an id"
     classes = {"changed", "grads", "side-effects", "shared-samples", "nested", "outputs", "rounding", "other"}
     assert {case.cls for case in CASES} == classes
     assert all(case.doc for case in CASES)

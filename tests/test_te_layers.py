@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from _pipeline import interleaved_1f1b_order, run_order, with_wgrad_passes  # noqa: E402
 from tests.test_parity import Trace as ParityTrace
 from tests.test_parity import assert_same as assert_parity
+from tests.graph_helpers import assert_all_equal, weighted_loss
 
 HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
 pytestmark = [
@@ -591,8 +592,14 @@ def test_te_state_that_graphing_would_take_or_shift_is_refused():
         make_graphed_callables(busy, (x,))
     busy.backward_dw()
     fused = te().Linear(H, H, params_dtype=torch.bfloat16, fuse_wgrad_accumulation=True).cuda()
-    with pytest.raises(NotImplementedError, match=re.escape("callable 0 (Linear) is built with fuse_wgrad_accumulation=True")):
+    with pytest.raises(ValueError, match=re.escape(
+            "callable 0 (Linear) is built with fuse_wgrad_accumulation=True, but its weight 'weight' has no main_grad")):
         make_graphed_callables(fused, (x,))
+    both = te().Linear(H, H, params_dtype=torch.bfloat16, fuse_wgrad_accumulation=True, delay_wgrad_compute=True).cuda()
+    both.weight.main_grad = torch.zeros(H, H, device="cuda")
+    with pytest.raises(NotImplementedError, match=re.escape(
+            "callable 0 (Linear) is built with both fuse_wgrad_accumulation=True and delay_wgrad_compute=True")):
+        make_graphed_callables(both, (x,))
     shared = te().Linear(H, H, params_dtype=torch.bfloat16, delay_wgrad_compute=True).cuda()
     twice = (nn.Sequential(shared), nn.Sequential(shared))
     with pytest.raises(NotImplementedError, match=re.escape("Linear (delay_wgrad_compute=True) runs in both callable 0 (Sequential) and callable 1 (Sequential)")):
@@ -608,3 +615,69 @@ def test_delayed_weight_gradients_need_their_passes_in_the_order():
     with pytest.raises(ValueError, match=re.escape("built with delay_wgrad_compute=True, whose backward leaves the weight gradients to backward_dw(), but the order gives it no weight-gradient pass; add -c-0.5")):
         make_graphed_callables((layer,), samples, _order=[1, -1], _num_layers_per_chunk=[1])
     assert layer.forward == forward and all(p.grad is None for p in layer.parameters())
+
+
+# -- gradient-accumulation fusion (fuse_wgrad_accumulation=True, Megatron's main_grad) -------------
+def _megatron_ddp_hooks(params) -> list:
+    """What megatron-core's DDP does per parameter: a main_grad buffer (fp32), the
+    grad_added_to_main_grad flag, and a hook on the gradient accumulator that adds .grad into
+    main_grad unless the kernel did it already, then drops .grad."""
+    kept = []
+    for p in params:
+        p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        p.grad_added_to_main_grad = False
+        accumulator = p.expand_as(p).grad_fn.next_functions[0][0]
+
+        def hook(*_, p=p):
+            if p.grad is not None and not p.grad_added_to_main_grad:
+                p.main_grad.add_(p.grad.data)
+            p.grad = None
+        accumulator.register_hook(hook)
+        kept.append(accumulator)
+    return kept
+
+
+def _fused_run(kind: str, mode: str) -> list:
+    reseed(11)
+    t = te()
+    layers = [t.LayerNormLinear(H, H, params_dtype=torch.bfloat16, fuse_wgrad_accumulation=True) if kind == "ln_linear"
+              else t.LayerNormMLP(H, FFN, params_dtype=torch.bfloat16, fuse_wgrad_accumulation=True) for _ in range(2)]
+    layers = [m.cuda() for m in layers]
+    params = [p for m in layers for p in m.parameters()]
+    keep = _megatron_ddp_hooks(params)
+    if mode != "eager":
+        g = torch.Generator(device="cuda").manual_seed(3)
+        samples = tuple((torch.randn(S, B, H, device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True),)
+                        for _ in layers)
+        layers = list(make_graphed_callables(tuple(layers), samples, eager_replay=mode == "eager-replay"))
+    seen = [[p.main_grad.clone() for p in params]]  # graphing leaves main_grad as it was
+    data = torch.Generator(device="cuda").manual_seed(5)
+    for step in range(3):
+        for p in params:
+            p.main_grad.zero_()
+        for _ in range(2):
+            x = torch.randn(S, B, H, device="cuda", dtype=torch.bfloat16, generator=data, requires_grad=True)
+            y = x
+            for layer in layers:
+                y = layer(y)
+            weighted_loss(y).backward()
+            seen.append([x.grad.clone()])
+        seen.append([p.main_grad.clone() for p in params] + [torch.tensor(p.grad_added_to_main_grad) for p in params])
+        with torch.no_grad():
+            for p in params:
+                p.add_(p.main_grad.to(p.dtype), alpha=-0.01)
+        seen.append([p.detach().clone() for p in params])
+    del keep
+    return seen
+
+
+@pytest.mark.parametrize("mode", ["graphs", "eager-replay"])
+@pytest.mark.parametrize("kind", ["ln_linear", "ln_mlp"])
+def test_gradient_accumulation_fusion_equals_eager_te(kind, mode):
+    """TE modules that accumulate weight gradients into main_grad inside their kernels, under
+    a Megatron-DDP-style hook: main_grad, the flag, input grads and weights after SGD steps
+    bitwise as eager TE's; warmup leaves main_grad as it was."""
+    want, got = _fused_run(kind, "eager"), _fused_run(kind, mode)
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert_all_equal(a, b, f"{kind} {mode}, observation {i}")
