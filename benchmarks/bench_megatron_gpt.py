@@ -20,7 +20,7 @@ import tempfile
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-ROWS = ("eager", "te", "te_graph")
+ROWS = ("eager", "te", "te_graph")  # "te": TE's graphs in the helper, captured thread_local (examples/megatron_gpt.py)
 
 
 def _run(graphs: str, precision: str, dropout: float, args: argparse.Namespace) -> dict:
@@ -33,8 +33,9 @@ def _run(graphs: str, precision: str, dropout: float, args: argparse.Namespace) 
                    "--microbatches", str(args.microbatches), "--fusion", "1", "--out", out]
         done = subprocess.run(command, cwd=_ROOT, capture_output=True, text=True, timeout=args.timeout)
         if done.returncode != 0:
-            tail = (done.stdout + done.stderr).strip().splitlines()[-3:]
-            return {"error": " | ".join(tail)}
+            lines = (done.stdout + done.stderr).strip().splitlines()
+            errors = [line for line in lines if "Error" in line] or lines[-3:]
+            return {"error": " | ".join(errors[-3:])}
         import torch  # noqa: PLC0415
 
         from examples.megatron_gpt import timing  # noqa: PLC0415

@@ -173,7 +173,8 @@ def train(cfg: RunConfig) -> dict:
             previous = os.environ.get("TE_GRAPH_EAGER_REPLAY")
             os.environ["TE_GRAPH_EAGER_REPLAY"] = "1" if replay else "0"
             try:
-                helper.create_cudagraphs()
+                with _thread_local_capture() if cfg.graphs == "te" else contextlib.nullcontext():
+                    helper.create_cudagraphs()
             finally:
                 if previous is None:
                     del os.environ["TE_GRAPH_EAGER_REPLAY"]
@@ -204,6 +205,25 @@ def train(cfg: RunConfig) -> dict:
     te_graph.reset()
     integration.disable()
     return record
+
+
+@contextlib.contextmanager
+def _thread_local_capture() -> Iterator[None]:
+    """Transformer Engine's graphs capture with ``torch.cuda.graph``'s default, CUDA's global
+    capture mode, which fails beside the NCCL process group's watchdog thread ("operation
+    would make the legacy stream depend on a capturing blocking stream", seen on an H100
+    with torch 2.11); TE's rows run with ``thread_local``, the mode te_graph captures in."""
+    original = torch.cuda.graph.__init__
+
+    def init(self: Any, cuda_graph: Any, pool: Any = None, stream: Any = None,
+             capture_error_mode: str = "thread_local") -> None:
+        original(self, cuda_graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode)
+
+    torch.cuda.graph.__init__ = init
+    try:
+        yield
+    finally:
+        torch.cuda.graph.__init__ = original
 
 
 def timing(record: dict) -> float:

@@ -202,10 +202,13 @@ _NUMERICS_GETTERS = tuple(getattr(torch._C, getter) for _, getter in _NUMERICS i
 NUMERICS_SETTINGS = tuple(name for name, getter in _NUMERICS if hasattr(torch._C, getter))
 
 
+_call = operator.methodcaller("__call__")
+
+
 def numerics_settings() -> tuple:
     """The global settings that choose kernels and their rounding, as one tuple (in the
     order of ``NUMERICS_SETTINGS``)."""
-    return tuple(getter() for getter in _NUMERICS_GETTERS)
+    return tuple(map(_call, _NUMERICS_GETTERS))
 
 
 def global_module_hook_dicts() -> list[tuple[str, dict]]:

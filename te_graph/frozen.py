@@ -39,7 +39,6 @@ __all__ = ["Settings", "FrozenModule", "Fingerprint"]
 # on layers (Megatron's ``current_microbatch``).
 _WATCHED = (bool, float, str, type(None))
 _HOOK_KINDS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-_is = operator.is_
 _getitem = operator.getitem
 _requires_grad = operator.attrgetter("requires_grad")
 _data_ptr = torch.Tensor.data_ptr
@@ -144,6 +143,7 @@ class FrozenModule:
         self._hook_tables = tuple(hook_tables)
         self._hook_names = tuple(hook_names)
         self._hook_sizes = tuple(map(len, hook_tables))
+        self._no_hooks = not any(self._hook_sizes)  # the usual case: one C-level any() per call
         self._params = tuple(p for _, p in params)
         self._param_names = tuple(name for name, _ in params)
         self._grads = tuple(map(_requires_grad, self._params))
@@ -156,13 +156,15 @@ class FrozenModule:
     def matches(self) -> bool:
         """The hot path: True when nothing the graphs read of the module changed."""
         try:
+            # Identity first (tuple equality tries ``is`` before ``==``); a mismatch is
+            # sorted out on the slow path.
             return (
-                all(map(_is, map(_getitem, self._tables, self._keys), self._values))
+                tuple(map(_getitem, self._tables, self._keys)) == self._values
                 and tuple(map(_data_ptr, self._addressed)) == self._pointers
                 and tuple(map(_requires_grad, self._params)) == self._grads
-                and tuple(map(len, self._hook_tables)) == self._hook_sizes
+                and (not any(self._hook_tables) if self._no_hooks else tuple(map(len, self._hook_tables)) == self._hook_sizes)
             )
-        except KeyError:  # an attribute was deleted
+        except (KeyError, RuntimeError):  # an attribute was deleted; a tensor compared by value
             return False
 
     def changes(self) -> list[str]:
@@ -205,6 +207,7 @@ class FrozenModule:
         if not found:
             self._values = tuple(values)
             self._hook_sizes = sizes
+            self._no_hooks = not any(sizes)
         return found
 
     def _run_by_hand(self, name: str, table: dict) -> bool:

@@ -130,7 +130,11 @@ class ParamGrads:
 
         With ``clone`` the gradient is copied wherever autograd or a hook could keep it (the
         parameter has no ``.grad`` yet, or tensor hooks see it); otherwise autograd adds it
-        into the existing ``.grad`` and lets it go, so the buffer itself is handed over.
+        into the existing ``.grad`` and lets it go, so the buffer itself is handed over. A
+        parameter with Megatron's ``main_grad`` gets the buffer itself too: the gradient hook
+        of Megatron's DDP adds ``.grad`` into ``main_grad`` and drops it at once, and a
+        ``.grad`` still viewing the buffer at the next replay is moved out first
+        (``prepare_autograd``), so a copy would only cost a kernel per parameter per call.
         """
         if self.tied:
             # Another graph's backward in this same backward zeroes and refills the shared
@@ -139,6 +143,6 @@ class ParamGrads:
         if not clone:
             return tuple(b.detach() for b in self.buffers)
         return tuple(
-            b.clone() if p.grad is None or compat.tensor_hooks(p) else b.detach()
+            b.clone() if (p.grad is None and not _has_main_grad(p)) or compat.tensor_hooks(p) else b.detach()
             for p, b in zip(self.params, self.buffers)
         )
