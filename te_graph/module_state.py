@@ -29,7 +29,8 @@ Inputs a callable updates in place are watched by :class:`InputUpdates`.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+import copy
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -95,6 +96,12 @@ class ModuleState:
         # Each watched module's attributes as they were (a shallow copy), and a copy of the
         # value of each plain tensor among them (a forward may update it in place).
         self._saved_dicts = [dict(sub.__dict__) for *_, sub in self._watched]
+        # The contents of the containers among them (a failed forward may have filled one).
+        self._saved_containers = [
+            (value, copy.copy(value))
+            for saved in self._saved_dicts for key, value in saved.items()
+            if key not in MODULE_INTERNALS and type(value) in (list, dict, set)
+        ]
         self._tensors = [
             (attr, value, value.detach().clone())
             for (owner, prefix, sub), saved in zip(self._watched, self._saved_dicts)
@@ -203,8 +210,9 @@ class ModuleState:
     # -- afterwards ---------------------------------------------------------------------------
     def restore(self, succeeded: bool) -> None:
         """Put every buffer, tensor attribute and renormalised embedding back (object and
-        value); after a failure, every attribute of the watched modules too (after a
-        success they keep what warmup set once: lazy initialisation)."""
+        value); after a failure, every attribute of the watched modules too, and the contents
+        of their lists, dicts and sets (after a success they keep what warmup set once: lazy
+        initialisation)."""
         with torch.no_grad():
             for (attr, buffer), saved in zip(self._buffers, self._saved_buffers):
                 compat.buffer_slots(attr.module)[attr.key] = buffer
@@ -219,6 +227,12 @@ class ModuleState:
                 for key in [k for k in sub.__dict__ if k not in saved]:
                     del sub.__dict__[key]
                 sub.__dict__.update(saved)
+            for container, contents in self._saved_containers:
+                container.clear()
+                if isinstance(container, list):
+                    container.extend(contents)
+                else:
+                    container.update(contents)
 
     def runtime_attributes(self) -> frozenset:
         """``(id(module), key)`` of the Python attributes the forward set (they differ from

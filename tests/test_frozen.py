@@ -1,0 +1,324 @@
+"""The refusals of issue 27, each with its exact class and message, and what must not be
+refused (eager replay on the CPU; tests/test_silent.py runs the same classes of setups
+eagerly, in eager replay and in graphs, and compares every observable).
+
+* what a graph froze, checked at every call (``te_graph/frozen.py``);
+* forwards with side effects, compared between warmup passes (``te_graph/module_state.py``);
+* calls a graph cannot serve (a second call before its backward, an unused output among
+  several), bad call forms named before warmup, keywords that may differ from the capture;
+* the RNG tracker found without being told (``rng.process_tracker``).
+"""
+from __future__ import annotations
+
+import re
+import sys
+import types
+
+import pytest
+import torch
+from torch import nn
+
+import rng
+import te_graph
+from te_graph import make_graphed_callables
+from tests.graph_helpers import weighted_loss
+
+H, S, B = 8, 4, 2
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin1, self.lin2, self.drop = nn.Linear(H, H), nn.Linear(H, H), nn.Dropout(0.1)
+
+    def forward(self, x):
+        return self.lin2(self.drop(torch.tanh(self.lin1(x))))
+
+
+def _x(grad: bool = True) -> torch.Tensor:
+    return torch.randn(S, B, H, requires_grad=grad)
+
+
+def _graphed(module: nn.Module | None = None, **kwargs) -> nn.Module:
+    module = module or Net()
+    return make_graphed_callables(module, (_x(),), eager_replay=True, **kwargs)
+
+
+def _refused(module: nn.Module, message: str, error: type = RuntimeError, call=None) -> None:
+    """The next call raises ``error`` with ``message``, and the parameters are untouched."""
+    before = [p.detach().clone() for p in module.parameters()]
+    with pytest.raises(error, match=re.escape(message)):
+        (call or (lambda: module(_x())))()
+    assert all(torch.equal(p, b) for p, b in zip(module.parameters(), before))
+
+
+_REGRAPH = ("A graph replays what it captured, so this call would not follow the change. Graph it again after "
+            "changing the model: te_graph.reset(...) frees the graphs and gives a module its eager forward back; "
+            "then call make_graphed_callables again.")
+
+
+# -- what a graph froze --------------------------------------------------------------------------
+def test_a_frozen_parameter_is_refused_at_the_next_call():
+    m = _graphed()
+    m.lin1.weight.requires_grad_(False)
+    _refused(m, "callable 0 (Net): since graphing, parameter 'lin1.weight' no longer requires grad. " + _REGRAPH)
+
+
+def test_a_parameter_in_other_memory_is_refused():
+    m = _graphed()
+    m.lin1.weight.data = torch.randn(H, H)
+    _refused(m, "callable 0 (Net): since graphing, parameter 'lin1.weight' now lies at another address "
+                "(p.data = ..., or the module was moved or cast). " + _REGRAPH)
+
+
+def test_a_replaced_parameter_or_submodule_is_refused():
+    m = _graphed()
+    m.lin1.weight = nn.Parameter(torch.randn(H, H))
+    _refused(m, "callable 0 (Net): since graphing, parameter 'lin1.weight' was replaced by another object "
+                "(a new nn.Parameter or tensor, load_state_dict(assign=True), or None)")
+    m = _graphed()
+    m.lin2 = nn.Linear(H, H)
+    _refused(m, "callable 0 (Net): since graphing, submodule 'lin2' was replaced by another module.")
+
+
+def test_hooks_on_submodules_are_refused_and_hooks_on_the_module_run():
+    m = _graphed()
+    seen = []
+    handle = m.register_forward_hook(lambda *_: seen.append(1))  # around the graphed forward
+    m(_x())
+    assert seen == [1]
+    handle.remove()
+    m.lin1.register_forward_hook(lambda *_: None)
+    _refused(m, "callable 0 (Net): since graphing, forward hooks on submodule 'lin1' changed (0 -> 1); hooks on a "
+                "submodule run only while a graph is captured, never at replay (hooks on the graphed module itself "
+                "run around the graphed forward). " + _REGRAPH)
+
+
+def test_a_submodule_mode_or_hyperparameter_changed_is_refused_and_one_set_again_is_not():
+    m = _graphed()
+    m.drop.p = 0.1  # a new float object, equal to the old one: the same program
+    m(_x())
+    m.drop.eval()
+    _refused(m, "callable 0 (Net): since graphing, submodule 'drop' is in eval mode, but was in train mode at capture.")
+    m.drop.train()
+    m.drop.p = 0.3
+    _refused(m, "callable 0 (Net): since graphing, attribute 'p' of submodule 'drop' is 0.3, but was 0.1 at capture.")
+
+
+def test_autocast_and_numerics_settings_that_differ_from_the_capture_are_refused():
+    m = _graphed()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _refused(m, "callable 0 (Net): since graphing, autocast on cpu is on (torch.bfloat16), but the graph was "
+                    "captured with off.")
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(not previous)
+    try:
+        _refused(m, f"callable 0 (Net): since graphing, torch.are_deterministic_algorithms_enabled() is {not previous}, "
+                    f"but was {previous} at capture.")
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    m(_x())  # settings back as captured: the call goes on
+
+
+def test_reset_gives_the_module_its_eager_forward_back_and_it_can_be_graphed_again():
+    m = _graphed()
+    te_graph.reset(m)
+    assert "forward" not in m.__dict__
+    m.lin1.weight.requires_grad_(False)  # a change is fine once the graphs are gone
+    assert _graphed(m) is m
+
+
+# -- forwards with side effects ------------------------------------------------------------------
+class Effect(Net):
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind, self.calls, self.log = kind, 0, []
+        self.w = nn.Parameter(torch.ones(H))
+
+    def forward(self, x):
+        self._pre()
+        y = super().forward(x) * self.w
+        if self.kind == "counter":
+            self.calls += 1
+        elif self.kind == "new-tensor":
+            self.aux = y.sum()
+        elif self.kind == "keeps-input":
+            self.last = x
+        elif self.kind == "cache":
+            self.cache = self.cache if getattr(self, "cache", None) is not None else y
+            return self.cache
+        elif self.kind == "input-hook":
+            x.register_hook(lambda g: g)
+        elif self.kind == "returns-input":
+            return y, x
+        elif self.kind == "log":
+            self.log.append(1)
+        return y
+
+    def _pre(self) -> None:
+        if self.kind == "param-update":
+            with torch.no_grad():
+                self.w.mul_(0.5)
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("counter", "make_graphed_callables: the forward of callable 0 (Effect) changes its attribute 'calls' at every "
+                "call (1, then 2); a graph replays GPU work only, so at replay it would keep its value. Keep such "
+                "state in a tensor buffer updated in place (register_buffer and `.add_(1)`), or change it outside the "
+                "graphed forward."),
+    ("new-tensor", "make_graphed_callables: the forward of callable 0 (Effect) assigns a new tensor to its attribute "
+                   "'aux' at every call; at replay it would keep the tensor of the capture (and autograd could not go "
+                   "back through it). Return the tensor as an output, or update one tensor in place (`.copy_(...)`)."),
+    ("keeps-input", "make_graphed_callables: the forward of callable 0 (Effect) keeps a reference to its input in "
+                    "'last'; at every replay that would be te_graph's static input buffer, not the tensor you pass"),
+    ("cache", "make_graphed_callables: the forward of callable 0 (Effect) keeps an output it made in 'cache' (a cache "
+              "of results?)"),
+    ("input-hook", "make_graphed_callables: the forward of callable 0 (Effect) registers a hook on its positional "
+                   "input 0 (register_hook, retain_grad, ...)"),
+    ("returns-input", "make_graphed_callables: callable 0 (Effect) returns its positional input 0 (or a view of it) "
+                      "as output 1; a graph's outputs are buffers of its own"),
+    ("log", "make_graphed_callables: the forward of callable 0 (Effect) changes its attribute 'log' (list) at every "
+            "call (its length or items change between warmup passes)"),
+    ("param-update", "make_graphed_callables: the forward of callable 0 (Effect) updates its parameter 'w' in place; a "
+                     "graph would repeat that update at every replay, and warmup has already made it"),
+])
+def test_side_effects_a_graph_cannot_replay_are_refused_and_the_module_is_put_back(kind, message):
+    m = Effect(kind)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        make_graphed_callables(m, (_x(),), eager_replay=True)
+    assert "forward" not in m.__dict__ and m.calls == 0 and m.log == []
+    assert not hasattr(m, "aux") and not hasattr(m, "last") and not hasattr(m, "cache")
+
+
+def test_buffers_and_tensor_attributes_updated_in_place_are_followed_and_warmup_is_undone():
+    class Stat(Net):
+        def __init__(self):
+            super().__init__()
+            self.stat = torch.zeros(H)  # a plain attribute, not a buffer
+
+        def forward(self, x):
+            y = super().forward(x)
+            with torch.no_grad():
+                self.stat.add_(y.mean(dim=(0, 1)))
+            return y
+
+    torch.manual_seed(0)
+    m = make_graphed_callables(Stat(), (_x(),), eager_replay=True)
+    assert torch.equal(m.stat, torch.zeros(H)), "warmup's updates are undone"
+    x = _x()
+    m(x)
+    assert not torch.equal(m.stat, torch.zeros(H)), "the call updates it"
+
+
+def test_an_embedding_renormalising_rows_is_graphed_and_warmup_renormalises_nothing():
+    torch.manual_seed(0)
+    emb = nn.Embedding(16, H, max_norm=1.0)
+    before = emb.weight.detach().clone()
+    make_graphed_callables(emb, (torch.randint(0, 16, (S, B)),), eager_replay=True)
+    assert torch.equal(emb.weight, before)
+
+
+# -- calls a graph cannot serve ------------------------------------------------------------------
+def test_a_second_call_before_the_first_ones_backward_is_refused_at_the_call():
+    m = _graphed()
+    y = m(_x())
+    _refused(m, "callable 0 (Net): called again while the backward of its previous call has not run; a graph reuses "
+                "its activations at every call, so that backward would read this call's.")
+    weighted_loss(y).backward()
+    m(_x())
+
+
+def test_an_output_without_gradient_among_several_is_refused():
+    class Two(Net):
+        def forward(self, x):
+            y = super().forward(x)
+            return y, torch.log(y.abs())
+
+    m = make_graphed_callables(Two(), (_x(),), eager_replay=True)
+    y, _ = m(_x())
+    with pytest.raises(RuntimeError, match=re.escape(
+            "callable 0 (Two): output 1 got no gradient in this backward (the loss does not use it), but the "
+            "backward graph was captured with a gradient for every differentiable output")):
+        weighted_loss(y).backward()
+
+
+# -- call forms and keywords ---------------------------------------------------------------------
+def test_a_class_or_over_nested_samples_are_named_before_warmup():
+    with pytest.raises(TypeError, match=re.escape(
+            "make_graphed_callables: callable 0 is the class Net, not an instance of it; pass the module you train "
+            "(Net(...)), not its class.")):
+        make_graphed_callables(Net, (_x(),), eager_replay=True)
+    with pytest.raises(TypeError, match=re.escape(
+            "make_graphed_callables: one callable was given, and its sample_args is a tuple holding a tuple of 1 "
+            "tensor(s), which the forward would get as one tuple argument. For a single callable, sample_args is the "
+            "tuple of its arguments: pass (x,), not ((x,),).")):
+        make_graphed_callables(Net(), ((_x(),),), eager_replay=True)
+
+
+class Keywords(Net):
+    def __init__(self):
+        super().__init__()
+        self.drop.p = 0.0
+
+    def forward(self, x, mask=None, rope=None, scale=1.0):
+        y = super().forward(x)
+        if mask is not None:
+            y = y * mask
+        if rope is not None:
+            y = y * rope[0] + rope[1]
+        return y * scale
+
+
+def test_keywords_none_by_default_may_be_left_out_or_passed_as_none_and_nothing_else():
+    torch.manual_seed(0)
+    m = make_graphed_callables(Keywords(), (_x(),), sample_kwargs={"mask": torch.ones(S, B, 1)}, eager_replay=True)
+    y = m(_x(), mask=torch.ones(S, B, 1), rope=None)  # rope was left out at capture; None is its default
+    weighted_loss(y).backward()
+    _refused(m, "callable 0 (Keywords): called with keyword arguments ['mask', 'scale'], but the graph was captured "
+                "with ['mask']; pass the same keywords as sample_kwargs. Keywords left out at capture are accepted only "
+                "as None where the callable defaults them to None; ['scale'] are not.",
+             ValueError, lambda: m(_x(), mask=torch.ones(S, B, 1), scale=None))
+
+
+def test_nested_keywords_are_static_inputs_and_their_structure_is_checked():
+    torch.manual_seed(0)
+    rope = (torch.randn(S, B, H), torch.randn(S, B, H))
+    m = make_graphed_callables(Keywords(), (_x(),), sample_kwargs={"rope": rope}, eager_replay=True)
+    reference = Keywords()
+    reference.load_state_dict(m.state_dict())
+    cos_sin = (torch.randn(S, B, H), torch.randn(S, B, H))
+    x = _x()
+    assert torch.equal(m(x, rope=cos_sin), reference(x, rope=cos_sin)), "each call's (cos, sin) is read"
+    _refused(m, "callable 0 (Keywords): keyword argument 'rope' is shaped (*, *, *) but was (*, *) at capture "
+                "(* = a leaf); pass it in the captured structure.",
+             ValueError, lambda: m(_x(), rope=cos_sin + (cos_sin[0],)))
+
+
+# -- the RNG tracker found without being told ----------------------------------------------------
+def test_the_process_tracker_is_ours_when_seeded_else_megatrons_else_transformer_engines():
+    ours = rng.get_cuda_rng_tracker()
+    assert rng.process_tracker() is ours  # unseeded, and nobody else's: ours
+    megatron = types.ModuleType("megatron.core.tensor_parallel.random")
+    theirs = rng.CudaRNGStatesTracker()
+    theirs.add("model-parallel-rng", 1)
+    megatron._CUDA_RNG_STATE_TRACKER, megatron._CUDA_RNG_STATE_TRACKER_INITIALIZED = theirs, True
+    te = types.ModuleType("transformer_engine.pytorch.distributed")
+    registry = {"model-parallel-rng": torch.Generator().manual_seed(2)}
+    te.get_all_rng_states = lambda: registry
+    saved = {name: sys.modules.get(name) for name in (megatron.__name__, te.__name__)}
+    sys.modules[te.__name__] = te
+    try:
+        found = rng.process_tracker()
+        assert isinstance(found, rng.TERegistryTracker) and found.get_states() == registry
+        found.set_states({"model-parallel-rng": registry["model-parallel-rng"], "other": torch.Generator()})
+        assert set(registry) == {"model-parallel-rng", "other"}, "the registry (TE's tracker's own dict) is updated in place"
+        sys.modules[megatron.__name__] = megatron
+        assert rng.process_tracker() is theirs
+        rng.model_parallel_cuda_manual_seed(5)
+        assert rng.process_tracker() is ours
+    finally:
+        for name, module in saved.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
