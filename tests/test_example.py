@@ -7,6 +7,7 @@ import datetime
 import importlib.metadata
 import json
 import math
+import re
 import shutil
 import subprocess
 
@@ -406,3 +407,12 @@ def test_the_readme_quick_start_runs_as_the_readme_says(tmp_path):
     result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().endswith("trained 10 steps on cpu")
+
+
+def test_eager_replay_implies_graphs_and_is_refused_with_no_graphs():
+    parser = train_gpt.build_parser()
+    config, notes = train_gpt.resolve(parser.parse_args(["--device", "cpu", "--eager-replay"]), 1)
+    assert config.graphs and config.eager_replay and not any("training eagerly" in n for n in notes)
+    with pytest.raises(SystemExit, match=re.escape(
+            "train_gpt: --eager-replay runs te_graph's graphed wrapper without graphs; it cannot go with --no-graphs.")):
+        train_gpt.resolve(parser.parse_args(["--device", "cpu", "--eager-replay", "--no-graphs"]), 1)
