@@ -90,11 +90,13 @@ def check_modules(callables: Sequence[Callable]) -> None:
             continue
         modes.setdefault(c.training, index)
         for name, module in c.named_modules():
+            where = f"submodule {name!r} of callable {index}" if name else f"callable {index}"
+            # Transformer Engine's modules that accumulate weight gradients into main_grad.
             fused = getattr(module, "fuse_wgrad_accumulation", False) is True and hasattr(module, "need_backward_dw")
-            missing = [w for w in getattr(module, "weight_names", ()) if fused and getattr(module, w, None) is not None
-                       and getattr(module, w).requires_grad and not hasattr(getattr(module, w), "main_grad")]
+            weights = [getattr(module, w, None) for w in getattr(module, "weight_names", ())] if fused else []
+            missing = [w for w, p in zip(getattr(module, "weight_names", ()), weights)
+                       if p is not None and p.requires_grad and not hasattr(p, "main_grad")]
             if missing:
-                where = f"submodule {name!r} of callable {index}" if name else f"callable {index}"
                 raise ValueError(
                     f"make_graphed_callables: {where} ({type(module).__name__}) is built with "
                     f"fuse_wgrad_accumulation=True, but its weight {missing[0]!r} has no main_grad: "
@@ -103,7 +105,6 @@ def check_modules(callables: Sequence[Callable]) -> None:
                     "or build the module with fuse_wgrad_accumulation=False."
                 )
             if fused and module.need_backward_dw():
-                where = f"submodule {name!r} of callable {index}" if name else f"callable {index}"
                 raise NotImplementedError(
                     f"make_graphed_callables: {where} ({type(module).__name__}) is built with both "
                     "fuse_wgrad_accumulation=True and delay_wgrad_compute=True: its weight-gradient "
@@ -113,7 +114,6 @@ def check_modules(callables: Sequence[Callable]) -> None:
                 )
             hooks = compat.module_hook_dicts(module)
             if hooks:
-                where = f"submodule {name!r} of callable {index}" if name else f"callable {index}"
                 raise ValueError(
                     f"make_graphed_callables: {where} has hooks registered ({', '.join(hooks)}); "
                     "hooks would run only during capture, never at replay. Remove them before "

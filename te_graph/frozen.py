@@ -101,6 +101,7 @@ class FrozenModule:
         values: list[Any] = []
         hook_tables: list[dict] = []
         hook_names: list[str] = []
+        hook_owners: list[tuple[Any, str]] = []  # (submodule or None, hook kind)
         params: list[tuple[str, torch.Tensor]] = []
         seen: set[int] = set()
         for prefix, sub in module.named_modules():
@@ -125,6 +126,7 @@ class FrozenModule:
                 for kind in _HOOK_KINDS:
                     hook_tables.append(getattr(sub, kind))
                     hook_names.append(f"{kind[1:].replace('_', ' ')} on {where}")
+                    hook_owners.append((sub, kind))
             fused = getattr(sub, "fuse_wgrad_accumulation", False) is True
             for name, p in compat.parameter_slots(sub).items():
                 if p is not None:
@@ -136,12 +138,14 @@ class FrozenModule:
         for kind, table in compat.global_module_hook_dicts():
             hook_tables.append(table)
             hook_names.append(f"global module {kind} (torch.nn.modules.module.register_module_{kind[:-1]})")
+            hook_owners.append((None, kind))
         self._slots = tuple(slots)
         self._tables = tuple(s.table for s in slots)
         self._keys = tuple(s.key for s in slots)
         self._values = tuple(values)
         self._hook_tables = tuple(hook_tables)
         self._hook_names = tuple(hook_names)
+        self._hook_owners = tuple(hook_owners)
         self._hook_sizes = tuple(map(len, hook_tables))
         self._no_hooks = not any(self._hook_sizes)  # the usual case: one C-level any() per call
         self._params = tuple(p for _, p in params)
@@ -178,12 +182,11 @@ class FrozenModule:
                 continue
             if now is _GONE:
                 found.append(f"{slot.what} was deleted")
-            elif isinstance(then, (torch.Tensor, torch.nn.Module)) or isinstance(now, (torch.Tensor, torch.nn.Module)) or now is None or then is None:
-                if isinstance(then, torch.nn.Module) or isinstance(now, torch.nn.Module):
-                    found.append(f"{slot.what} was replaced by another module")
-                else:
-                    found.append(f"{slot.what} was replaced by another object (a new nn.Parameter or tensor, "
-                                 "load_state_dict(assign=True), or None)")
+            elif isinstance(then, torch.nn.Module) or isinstance(now, torch.nn.Module):
+                found.append(f"{slot.what} was replaced by another module")
+            elif isinstance(then, torch.Tensor) or isinstance(now, torch.Tensor):
+                found.append(f"{slot.what} was replaced by another object (a new nn.Parameter or tensor, "
+                             "load_state_dict(assign=True), or None)")
             elif type(now) is type(then) and now == then:
                 values[i] = now  # the same value assigned again
             elif slot.key == "training" and isinstance(now, bool):
@@ -199,8 +202,10 @@ class FrozenModule:
             if p.requires_grad != then:
                 found.append(f"parameter {name!r} {'now requires' if p.requires_grad else 'no longer requires'} grad")
         sizes = tuple(map(len, self._hook_tables))
-        for name, table, size, then in zip(self._hook_names, self._hook_tables, sizes, self._hook_sizes):
-            if size != then and not self._run_by_hand(name, table):
+        by_hand = megatron.hooks_run_by_hand(self.module)
+        for name, (sub, kind), size, then in zip(self._hook_names, self._hook_owners, sizes, self._hook_sizes):
+            # Forward pre-hooks megatron-core's TECudaGraphHelper runs before each replay.
+            if size != then and not (kind == "_forward_pre_hooks" and id(sub) in by_hand):
                 found.append(f"{name} changed ({then} -> {size}); hooks on a submodule run only while a graph is "
                              "captured, never at replay (hooks on the graphed module itself run around the "
                              "graphed forward)")
@@ -209,14 +214,6 @@ class FrozenModule:
             self._hook_sizes = sizes
             self._no_hooks = not any(sizes)
         return found
-
-    def _run_by_hand(self, name: str, table: dict) -> bool:
-        """Forward pre-hooks that megatron-core's ``TECudaGraphHelper`` runs before each
-        replay (``integrations.megatron.hooks_run_by_hand``)."""
-        if not name.startswith("forward pre hooks"):
-            return False
-        covered = megatron.hooks_run_by_hand(self.module)
-        return any(getattr(sub, "_forward_pre_hooks", None) is table and id(sub) in covered for sub in self.module.modules())
 
 
 _GONE = object()

@@ -74,7 +74,6 @@ class ModuleState:
     warmup, compared after every pass, put back afterwards."""
 
     def __init__(self, modules: Mapping[str, torch.nn.Module], skip_attributes: Callable[[torch.nn.Module], bool]):
-        self.modules = modules
         self._buffers: list[tuple[_Attr, torch.Tensor]] = []  # registered buffers
         self._params: list[tuple[str, str, torch.Tensor]] = []  # (owner, name, parameter)
         self._watched: list[tuple[str, str, torch.nn.Module]] = []  # (owner, prefix, module) whose __dict__ is compared

@@ -106,13 +106,14 @@ class Invocation:
 class Runner:
     """What both runners share: the call's checks and bookkeeping around the static inputs.
 
-    Subclasses set ``static_inputs`` and ``output`` and implement ``forward``, ``backward``,
-    ``through_autograd`` and ``reset``.
+    Subclasses set ``static_inputs`` and ``output`` (and call ``_take_outputs``) and
+    implement ``forward``, ``backward``, ``through_autograd`` and ``reset``.
     """
 
     static_inputs: tuple[torch.Tensor, ...]
     output: Any
     non_differentiable: tuple[int, ...] = ()
+    multi_output: bool = False
 
     def __init__(self, spec: GraphSpec, clock: Any, variant: int, updated: tuple[int, ...],
                  wgrad_book: Optional[WgradBook] = None, wgrad: Optional[DelayedWgrad] = None):
@@ -166,6 +167,12 @@ class Runner:
             self.wgrad_book.check_forward(self)
             if self.has_wgrad:
                 check_still_delayed(self.name, self.wgrad)
+
+    def _take_outputs(self, outputs: tuple[torch.Tensor, ...]) -> None:
+        """Which outputs take no gradient, and whether several do (a backward where one of
+        those gets none is refused: ``_before_backward``)."""
+        self.non_differentiable = tuple(i for i, o in enumerate(outputs) if not o.requires_grad)
+        self.multi_output = len(outputs) - len(self.non_differentiable) > 1
 
     def _issued(self, invocation: Invocation) -> Invocation:
         """Remember a call whose backward may come (checked by the next forward)."""
@@ -250,8 +257,7 @@ class GraphRunner(Runner):
         self.output = graph.output
         self.static_outputs = graph.output.tensors
         self.handout = GraphOutputs(self.name, self.static_outputs, spec)
-        self.non_differentiable = tuple(i for i, o in enumerate(self.static_outputs) if not o.requires_grad)
-        self.multi_output = len(self.static_outputs) - len(self.non_differentiable) > 1
+        self._take_outputs(self.static_outputs)
         self.always_autograd = options.always_autograd
         self.clone_param_grads = options.clone_param_grads
 
@@ -376,8 +382,7 @@ class EagerRunner(Runner):
         self.static_inputs = spec.static_inputs
         self.input_slots = tuple(map(_Slot, spec.static_inputs))
         self.output = warmup.output
-        self.non_differentiable = tuple(i for i, o in enumerate(warmup.output.tensors) if not o.requires_grad)
-        self.multi_output = len(warmup.output.tensors) - len(self.non_differentiable) > 1
+        self._take_outputs(warmup.output.tensors)
         # The parameters whose gradients the graphs always hand to autograd (tied weights;
         # all with accumulate_grads_in_graph=False) do the same here: the forward runs on
         # stand-ins for them (``parameters``), whose fresh gradients leave the backward through
@@ -465,7 +470,7 @@ def _module_memory(spec: GraphSpec) -> tuple[torch.Tensor, ...]:
 
 class GraphOutputs:
     """The tensors a graph's calls hand out, and the check that makes an output overwritten
-    by a later replay raise when it is read, as CUDA Graph Trees do (``compat.poison``).
+    by a later replay raise when it is read, as CUDA Graph Trees do (``compat.poison_storage``).
 
     The outputs handed out view the graph's static outputs through storages of their own
     (``compat.weak_alias``); before a replay, one whose storage someone still holds (the
@@ -484,8 +489,13 @@ class GraphOutputs:
             and not any(shares_memory(o, m) for m in own)
             for o in static
         )
-        self._current = tuple(self._alias(o, guarded) for o, guarded in zip(static, self._guarded))
-        self._storages = tuple(t.untyped_storage() if g else None for t, g in zip(self._current, self._guarded))
+        self._track(tuple(self._alias(o, guarded) for o, guarded in zip(static, self._guarded)))
+
+    def _track(self, current: tuple[torch.Tensor, ...]) -> None:
+        """Hand out ``current`` from now on; its storages' use counts, as they are while
+        nobody else holds them, are the baseline a held output exceeds."""
+        self._current = current
+        self._storages = tuple(t.untyped_storage() if g else None for t, g in zip(current, self._guarded))
         self._baseline = tuple(compat.use_count(s) if s is not None else 0 for s in self._storages)
 
     @staticmethod
@@ -505,9 +515,7 @@ class GraphOutputs:
         for i in held:
             compat.poison_storage(self._storages[i], _OVERWRITTEN.format(name=self.name))
             current[i] = self._alias(self._static[i], True)
-        self._current = tuple(current)
-        self._storages = tuple(t.untyped_storage() if g else None for t, g in zip(self._current, self._guarded))
-        self._baseline = tuple(compat.use_count(s) if s is not None else 0 for s in self._storages)
+        self._track(tuple(current))
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return tuple(t.detach() for t in self._current)

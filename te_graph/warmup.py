@@ -58,7 +58,7 @@ def warm_up(
     updated_seen: dict[int, tuple[int, ...]] = {}
     te_seen: dict[int, tuple] = {}
     wgrad_seen: dict[int, DelayedWgrad] = {}
-    used_seen: dict[int, frozenset] = {}
+    idle_seen: dict[int, frozenset] = {}  # parameters the first backward gave no gradient
     fused_seen: dict[int, frozenset] = {}
     draws: dict[int, tuple[Optional[StreamUse], Optional[StreamUse]]] = {}
     for iteration in range(num_iters):
@@ -86,7 +86,7 @@ def warm_up(
                 backward_use = None
                 if spec.needs_backward:
                     delayed = delayed_wgrad_modules(te_seen.get(index, ()))
-                    unused, backward_use, learned, used, fused = _backward(
+                    unused, backward_use, learned, idle, fused = _backward(
                         spec, stand_ins, outputs, watch, tracker, delayed, wgrad_seen.get(index))
                     if learned is not None:
                         wgrad_seen[index] = learned
@@ -95,7 +95,7 @@ def warm_up(
                     if first:
                         _check_unused(spec, unused, allow_unused_input)
                         unused_seen[index] = unused
-                        used_seen[index] = used
+                        idle_seen[index] = idle
                         fused_seen[index] = fused
                 del outputs
             if watch is not None:
@@ -106,7 +106,7 @@ def warm_up(
             output=outputs_seen[i], unused=unused_seen.get(i, ()), updated=updated_seen[i],
             te_modules=te_seen.get(i, ()), forward_draws=draws.get(i, (None, None))[0],
             backward_draws=draws.get(i, (None, None))[1], wgrad=wgrad_seen.get(i),
-            unused_params=frozenset(range(len(specs[i].params))) - used_seen.get(i, frozenset(range(len(specs[i].params)))),
+            unused_params=idle_seen.get(i, frozenset()),
             fused_params=fused_seen.get(i, frozenset()),
         )
         for i in range(len(specs))
@@ -167,7 +167,7 @@ def _backward(spec: GraphSpec, stand_ins: StandIns, outputs: Any, device, tracke
     draws = BackwardDraws(rng.live_stream_generators(tracker, device)) if device is not None else None
     for s in stand_ins(spec.params):
         if "grad_added_to_main_grad" in s.__dict__:
-            s.grad_added_to_main_grad = False
+            s.grad_added_to_main_grad = False  # this backward sets it again, or not
     if spec.hooks is not None:
         spec.hooks.run("backward_pre_hooks", spec.func)
     with grads_redirected(spec.grad_inputs):
@@ -185,12 +185,12 @@ def _backward(spec: GraphSpec, stand_ins: StandIns, outputs: Any, device, tracke
     if delayed:
         check_no_queued_work(delayed, f"after {spec.name}'s weight-gradient pass in warmup: it runs more "
                              "than once in one forward, which te_graph cannot graph")
-    used = frozenset(i for i, p in enumerate(stand) if p.grad is not None)  # eager leaves the others' .grad alone
+    idle = frozenset(i for i, p in enumerate(stand) if p.grad is None)  # eager leaves their .grad alone
     for p in stand:
         p.grad = None  # throwaway: the next pass starts clean
         if "grad_added_to_main_grad" in p.__dict__:
-            p.grad_added_to_main_grad = False  # the next backward sets it again, or not
-    return unused, draws.close() if draws is not None else None, learned, used, fused
+            p.grad_added_to_main_grad = False
+    return unused, draws.close() if draws is not None else None, learned, idle, fused
 
 
 def _tensor_leaves(outputs: Any) -> list[torch.Tensor]:

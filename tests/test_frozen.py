@@ -105,6 +105,14 @@ def test_a_submodule_mode_or_hyperparameter_changed_is_refused_and_one_set_again
     _refused(m, "callable 0 (Net): since graphing, attribute 'p' of submodule 'drop' is 0.3, but was 0.1 at capture.")
 
 
+def test_an_attribute_that_was_none_at_capture_is_named_with_its_values():
+    m = Net()
+    m.drop.window = None
+    m = _graphed(m)
+    m.drop.window = 4.0
+    _refused(m, "callable 0 (Net): since graphing, attribute 'window' of submodule 'drop' is 4.0, but was None at capture.")
+
+
 def test_autocast_and_numerics_settings_that_differ_from_the_capture_are_refused():
     m = _graphed()
     with torch.autocast("cpu", dtype=torch.bfloat16):
