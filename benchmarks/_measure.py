@@ -248,6 +248,36 @@ def _release(built: Built, row: dict) -> None:
     built.step = None  # type: ignore[assignment]
 
 
+def whole_step_graph(step: Callable[[torch.Tensor], None], static_x: torch.Tensor,
+                     tracker: Any) -> tuple[Callable[[torch.Tensor], None], Callable[[], None]]:
+    """The reference the per-layer graphs are held against: the whole eager ``step``
+    (grad zeroing, forward, loss, backward) captured as one ``torch.cuda.CUDAGraph``, after
+    three warm-up steps on the capture stream (lazy init; the grads exist afterwards and are
+    zeroed in place). The tracker's graph-safe generators are registered with the graph
+    where torch needs it. Returns the replaying step and what frees the graph."""
+    import rng  # noqa: PLC0415
+
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step(static_x)
+    torch.cuda.current_stream().wait_stream(side)
+    if rng.generator_registration_required():
+        for key, generator in rng.live_stream_generators(tracker, static_x.device).items():
+            if key != rng.DEFAULT_STREAM:  # torch registers the default one itself
+                graph.register_generator_state(generator)
+    with torch.cuda.graph(graph, stream=side):
+        step(static_x)
+
+    def run(x: torch.Tensor) -> None:
+        static_x.copy_(x)
+        graph.replay()
+
+    return run, graph.reset
+
+
 @dataclass(frozen=True)
 class Variant:
     """A row to measure: its builder, and whether it is timed or profiled."""

@@ -191,6 +191,22 @@ def peer_targets(results: Mapping[str, Rows], pairs: Sequence[tuple[str, str]]) 
     return lines
 
 
+def fp8_targets(results: Mapping[str, Rows], rows_of: Mapping[str, tuple[str, str, str]],
+                bf16_ratio: float = 1.15, whole_step_ratio: float = 1.1) -> list[TargetLine]:
+    """Issue 29's targets, per config and per FP8 precision: te_graph's FP8 row within
+    ``bf16_ratio`` of its bf16 row and within ``whole_step_ratio`` of the whole-step graph
+    at the same precision. ``rows_of`` maps a precision to (te_graph's row, te_graph's bf16
+    row, the whole-step row)."""
+    lines = []
+    for config, rows in results.items():
+        for precision, (ours, bf16, whole) in rows_of.items():
+            lines.append(_compare(config, f"{precision}_vs_bf16", f"{ours} <= {bf16_ratio:g}x {bf16}",
+                                  rows, (ours, "ms"), (bf16, "ms"), bf16_ratio, "ms"))
+            lines.append(_compare(config, f"{precision}_vs_whole_step", f"{ours} <= {whole_step_ratio:g}x {whole}",
+                                  rows, (ours, "ms"), (whole, "ms"), whole_step_ratio, "ms"))
+    return lines
+
+
 def format_lines(lines: list[TargetLine]) -> list[str]:
     """One printable line per target."""
     return [f"  {line.verdict:<4} {line.config:<8} {line.target}: {line.detail}" for line in lines]

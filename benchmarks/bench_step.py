@@ -77,6 +77,7 @@ from _measure import (  # noqa: E402
     run_rows,
     settings_from,
     synchronised,
+    whole_step_graph,
 )
 from _report import JsonReport, add_output_args, finish  # noqa: E402
 from _targets import (  # noqa: E402
@@ -219,32 +220,10 @@ def _te_graphed(cfg: tuple) -> Built:
 def _whole_step_graph(cfg: tuple) -> Built:
     _, hidden, seq, batch = cfg
     blocks = build_blocks(cfg)
-    step = make_train_step(blocks, _params(blocks))
     static_x = torch.zeros(seq, batch, hidden, device=DEVICE, dtype=torch.bfloat16)
-    graph = torch.cuda.CUDAGraph()
-
-    def capture() -> None:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):  # lazy init; afterwards the grads exist, zeroed in place
-                step(static_x)
-        torch.cuda.current_stream().wait_stream(side)
-        if rng.generator_registration_required():
-            tracker = rng.get_cuda_rng_tracker()
-            for key, generator in rng.live_stream_generators(tracker, static_x.device).items():
-                if key != rng.DEFAULT_STREAM:  # torch registers the default one itself
-                    graph.register_generator_state(generator)
-        with torch.cuda.graph(graph, stream=side):
-            step(static_x)
-
-    _, seconds = synchronised(capture)
-
-    def run(x: torch.Tensor) -> None:
-        static_x.copy_(x)
-        graph.replay()
-
-    return Built(run, keep=(blocks, graph, static_x), capture_s=seconds, release=graph.reset)
+    step = make_train_step(blocks, _params(blocks))
+    (run, free), seconds = synchronised(lambda: whole_step_graph(step, static_x, rng.get_cuda_rng_tracker()))
+    return Built(run, keep=(blocks, static_x), capture_s=seconds, release=free)
 
 
 def variants_for(cfg: tuple) -> dict[str, Variant]:

@@ -193,3 +193,20 @@ def test_peer_targets_compare_each_pair_on_speed_footprint_and_capture_peak():
         "te_graph fp8-delayed_vs_TE graphed fp8-delayed_capture_peak": T.NOT_AVAILABLE,
     }
     assert [line.detail for line in lines][0] == "5 vs 6 ms = 0.833x (limit 1x)"
+
+
+def test_fp8_targets_hold_each_fp8_row_against_bf16_and_the_whole_step_graph():
+    rows = {"te-tiny": {
+        "te_graph bf16": row(ms=5.0, mib=1.0, peak=1.0),
+        "te_graph fp8-delayed": row(ms=5.5, mib=1.0, peak=1.0),
+        "whole-step graph fp8-delayed": row(ms=4.9, mib=1.0, peak=1.0),
+        "te_graph fp8-current": row(ms=6.0, mib=1.0, peak=1.0),
+    }}
+    names = {p: (f"te_graph {p}", "te_graph bf16", f"whole-step graph {p}") for p in ("fp8-delayed", "fp8-current")}
+    lines = {line.key: line for line in T.fp8_targets(rows, names)}
+    assert {k: v.verdict for k, v in lines.items()} == {
+        "fp8-delayed_vs_bf16": T.PASS, "fp8-delayed_vs_whole_step": T.FAIL,
+        "fp8-current_vs_bf16": T.FAIL, "fp8-current_vs_whole_step": T.NOT_AVAILABLE,
+    }
+    assert lines["fp8-delayed_vs_whole_step"].detail == "5.5 vs 4.9 ms = 1.122x (limit 1.1x)"
+    assert lines["fp8-current_vs_bf16"].target == "te_graph fp8-current <= 1.15x te_graph bf16"
