@@ -362,6 +362,11 @@ class FP8Replay(FP8Checks):
                 self.attention_metas.append(m.fp8_meta)
             else:
                 self.metas.append(m.fp8_meta)
+        # Only delayed scaling (built in, or asked for by a custom recipe) keeps amaxes in TE's
+        # global buffers; under another recipe TE's registration returns at once, each call.
+        recipe = options.recipe
+        if not (getattr(recipe, "delayed", lambda: True)() or getattr(recipe, "custom", lambda: False)()):
+            self.metas, self.attention_metas = [], []
 
     def before_forward(self, name: str, is_first_microbatch: Any) -> bool:
         """Checks and registration before a forward replay; whether this call is the first
@@ -370,10 +375,12 @@ class FP8Replay(FP8Checks):
         state = self.state
         group = state.get_fp8_group()
         fp8_attention = getattr(recipe, "fp8_mha", False) or getattr(recipe, "fp8_dpa", False)
+        registered = state.get_buffer_info()
         for meta in self.metas + self.attention_metas if fp8_attention else self.metas:
             meta["fp8_group"] = group
             meta["recipe"] = recipe
-            state.add_fp8_tensors_to_global_buffer(meta)
+            if registered not in meta:  # TE's own test, without its call: once per module
+                state.add_fp8_tensors_to_global_buffer(meta)
         first = state.is_first_fp8_module()
         if first and self.caching:
             state.set_skip_fp8_weight_update_tensor(not is_first_microbatch)
