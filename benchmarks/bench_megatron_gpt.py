@@ -23,14 +23,14 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROWS = ("eager", "te", "te_graph")  # "te": TE's graphs in the helper, captured thread_local (examples/megatron_gpt.py)
 
 
-def _run(graphs: str, precision: str, dropout: float, args: argparse.Namespace) -> dict:
+def _run(graphs: str, precision: str, dropout: float, fusion: int, args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "record.pt")
         command = [sys.executable, "-m", "examples.megatron_gpt", "--graphs", graphs, "--steps", str(args.steps),
                    "--warmup-steps", "2", "--dropout", str(dropout), "--fp8", "" if precision == "bf16" else precision,
                    "--layers", str(args.layers), "--hidden", str(args.hidden), "--heads", str(args.heads),
                    "--seq", str(args.seq), "--micro-batch", str(args.micro_batch),
-                   "--microbatches", str(args.microbatches), "--fusion", "1", "--out", out]
+                   "--microbatches", str(args.microbatches), "--fusion", str(fusion), "--out", out]
         done = subprocess.run(command, cwd=_ROOT, capture_output=True, text=True, timeout=args.timeout)
         if done.returncode != 0:
             lines = (done.stdout + done.stderr).strip().splitlines()
@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--precisions", default="bf16,delayed")
     p.add_argument("--dropouts", default="0.1,0.0")
+    p.add_argument("--fusions", default="1", help="gradient_accumulation_fusion: 1, 0 or 1,0")
     p.add_argument("--rows", default=",".join(ROWS))
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--layers", type=int, default=4)
@@ -62,18 +63,20 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, _ROOT)
     results = []
     print(f"GPTModel (TE spec) {args.layers} layers, h {args.hidden}, s {args.seq}, micro-batch {args.micro_batch}, "
-          f"{args.microbatches} microbatches, gradient-accumulation fusion on; ms per step (median), footprint MiB")
-    for precision in args.precisions.split(","):
-        for dropout in map(float, args.dropouts.split(",")):
-            line = {}
-            for graphs in args.rows.split(","):
-                row = _run(graphs, precision, dropout, args)
-                line[graphs] = row
-                results.append({"precision": precision, "dropout": dropout, "graphs": graphs, **row})
-            shown = "  ".join(
-                f"{g}: {r['ms']:.2f} ms / {r['footprint_mib']:.0f} MiB" if "ms" in r else f"{g}: failed ({r['error'][:160]})"
-                for g, r in line.items())
-            print(f"{precision:8} dropout {dropout}: {shown}", flush=True)
+          f"{args.microbatches} microbatches; ms per step (median), footprint MiB")
+    for fusion in map(int, args.fusions.split(",")):
+        for precision in args.precisions.split(","):
+            for dropout in map(float, args.dropouts.split(",")):
+                line = {}
+                for graphs in args.rows.split(","):
+                    row = _run(graphs, precision, dropout, fusion, args)
+                    line[graphs] = row
+                    results.append({"precision": precision, "dropout": dropout, "fusion": fusion, "graphs": graphs,
+                                    **row})
+                shown = "  ".join(
+                    f"{g}: {r['ms']:.2f} ms / {r['footprint_mib']:.0f} MiB" if "ms" in r
+                    else f"{g}: failed ({r['error'][:160]})" for g, r in line.items())
+                print(f"{precision:8} dropout {dropout} fusion {fusion}: {shown}", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

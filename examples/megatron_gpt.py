@@ -14,7 +14,10 @@ What it does, in Megatron's order: seed (TE's RNG tracker, before the model is b
 build GPTModel with the TE layer spec (bf16, one ``main_grad`` buffer through DDP), train
 ``--warmup-steps`` steps eagerly, make the graphs with the helper, train on. Each step:
 ``zero_grad_buffer()``, Megatron's schedule over ``--microbatches``, then a plain SGD step on
-``main_grad`` (in place: the graphs read the parameters by address). The output layer is
+``main_grad`` (in place: the graphs read the parameters by address), or with ``--optimizer
+megatron`` / ``--dist-opt 1`` Megatron's own Adam (fp32 main weights, distributed or not). ``--overlap-grad-reduce`` and ``--overlap-param-gather`` are DDP's options; with the
+latter, DDP's forward pre-hooks are turned off around capture and the helper runs them by
+hand before each replay, as Megatron-LM's ``training.py`` does. The output layer is
 Megatron's ``ColumnParallelLinear``, whose fused weight-gradient kernel needs NVIDIA apex:
 it is built with fusion off (``gradient_accumulation_fusion`` stays on for every TE layer).
 """
@@ -46,7 +49,11 @@ class RunConfig:
     dropout: float = 0.1
     fp8: str = ""  # "" (bf16), "delayed" or "tensorwise"
     fusion: bool = True  # gradient_accumulation_fusion (TE's fuse_wgrad_accumulation)
-    recompute: str = "none"  # "none" or "full" (Megatron's full recompute, one layer at a time)
+    recompute: str = "none"  # "none", "full" (whole layers, one at a time) or "selective" (core attention)
+    optimizer: str = "sgd"  # "sgd": plain SGD on main_grad; "megatron": get_megatron_optimizer's Adam
+    dist_opt: bool = False  # Megatron's distributed optimizer (implies optimizer="megatron")
+    overlap_grad_reduce: bool = False  # DDP reduces each bucket as its gradients become ready
+    overlap_param_gather: bool = False  # DDP's forward pre-hooks wait for parameter all-gathers (dist_opt)
     # "eager", "te_graph" (the helper, te_graph's graphs), "te_graph_replay" (te_graph's eager
     # replay) or "te" (the helper, Transformer Engine's graphs)
     graphs: str = "te_graph"
@@ -75,8 +82,9 @@ def setup_process() -> None:
         parallel_state.initialize_model_parallel(1, 1)
 
 
-def _build(cfg: RunConfig) -> tuple[list, Any]:
-    """Seed, then the model (GPTModel, TE spec) wrapped as Megatron trains it."""
+def _build(cfg: RunConfig) -> tuple[list, Any, Any]:
+    """Seed, then the model (GPTModel, TE spec) wrapped as Megatron trains it, and its
+    Megatron optimizer (None for plain SGD)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: PLC0415
     from megatron.core.distributed import finalize_model_grads  # noqa: PLC0415
     from megatron.core.models.gpt import GPTModel  # noqa: PLC0415
@@ -106,6 +114,10 @@ def _build(cfg: RunConfig) -> tuple[list, Any]:
         # Megatron's __post_init__ refuses full recompute with per-layer graphs (its own
         # checkpoint would draw other dropout masks); te_graph's is exact. Set after the check.
         config.recompute_granularity, config.recompute_method, config.recompute_num_layers = "full", "uniform", 1
+    elif cfg.recompute == "selective":
+        # Refused there too with attention dropout ("attention dropout is not supported with
+        # graphed attention recomputation"), for the same reason.
+        config.recompute_granularity, config.recompute_modules = "selective", ["core_attn"]
     # The output layer is Megatron's ColumnParallelLinear: its fused weight-gradient kernel
     # is NVIDIA apex's. Let it be built, then turn its fusion off (the same in every run).
     available = tp_layers._grad_accum_fusion_available
@@ -116,10 +128,20 @@ def _build(cfg: RunConfig) -> tuple[list, Any]:
     finally:
         tp_layers._grad_accum_fusion_available = available
     gpt.output_layer.gradient_accumulation_fusion = False
-    model = [DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True),
-                                     Float16Module(config, gpt.cuda()))]
+    ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=cfg.overlap_grad_reduce,
+                                        use_distributed_optimizer=cfg.dist_opt,
+                                        overlap_param_gather=cfg.overlap_param_gather)
+    model = [DistributedDataParallel(config, ddp, Float16Module(config, gpt.cuda()))]
     config.finalize_model_grads_func = finalize_model_grads
-    return model, config
+    optimizer = None
+    if cfg.optimizer == "megatron" or cfg.dist_opt:
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: PLC0415
+
+        optimizer = get_megatron_optimizer(
+            # Adam: the distributed optimizer takes no other of Megatron's built-in ones.
+            OptimizerConfig(optimizer="adam", lr=cfg.lr, bf16=True, params_dtype=torch.bfloat16,
+                            use_distributed_optimizer=cfg.dist_opt), model, use_gloo_process_groups=False)
+    return model, config, optimizer
 
 
 def _batches(cfg: RunConfig) -> Iterator[dict]:
@@ -157,12 +179,12 @@ def train(cfg: RunConfig) -> dict:
         integration.enable()
     elif cfg.recompute != "none" and cfg.graphs == "eager":
         integration.enable(recompute=True)  # the eager reference recomputes exactly too
-    model, config = _build(cfg)
+    model, config, optimizer = _build(cfg)
     params = [p for p in model[0].parameters() if p.requires_grad]
     helper = None
     if cfg.graphs != "eager":
         helper = TECudaGraphHelper(model=model, config=config, seq_length=cfg.seq, micro_batch_size=cfg.micro_batch,
-                                   optimizers=[])
+                                   optimizers=[optimizer] if optimizer is not None else [])
     step_fn = get_forward_backward_func()
     data = _batches(cfg)
     record: dict = {"losses": [], "main_grads": [], "weights": [], "step_ms": [], "config": asdict(cfg)}
@@ -173,8 +195,13 @@ def train(cfg: RunConfig) -> dict:
             previous = os.environ.get("TE_GRAPH_EAGER_REPLAY")
             os.environ["TE_GRAPH_EAGER_REPLAY"] = "1" if replay else "0"
             try:
+                if cfg.overlap_param_gather:  # Megatron-LM's training.py order around capture
+                    model[0].disable_forward_pre_hook(param_sync=False)
                 with _thread_local_capture() if cfg.graphs == "te" else contextlib.nullcontext():
                     helper.create_cudagraphs()
+                if cfg.overlap_param_gather:
+                    model[0].enable_forward_pre_hook()
+                    helper.cuda_graph_set_manual_hooks()  # DDP's pre-hooks, run before each replay
             finally:
                 if previous is None:
                     del os.environ["TE_GRAPH_EAGER_REPLAY"]
@@ -186,18 +213,32 @@ def train(cfg: RunConfig) -> dict:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         model[0].zero_grad_buffer()
+        if optimizer is not None:
+            optimizer.zero_grad()
         torch.cuda.synchronize()
         started = time.perf_counter()
         out = step_fn(forward_step_func=_forward_step, data_iterator=data, model=model,
                       num_microbatches=cfg.microbatches, seq_length=cfg.seq, micro_batch_size=cfg.micro_batch,
                       forward_only=False)
-        with torch.no_grad():
-            for p in params:  # plain SGD on main_grad, in place
-                p.add_(p.main_grad.to(p.dtype), alpha=-cfg.lr)
+        paused, main_grads = 0.0, None
+        if optimizer is not None:
+            # Its gradient clipping may scale main_grad in place: keep a copy first, off the clock.
+            torch.cuda.synchronize()
+            pause = time.perf_counter()
+            main_grads = [p.main_grad.detach().clone() for p in params]
+            torch.cuda.synchronize()
+            paused = time.perf_counter() - pause
+            optimizer.step()  # fp32 main weights, copied into the model's weights in place
+        else:
+            with torch.no_grad():
+                for p in params:  # plain SGD on main_grad, in place
+                    p.add_(p.main_grad.to(p.dtype), alpha=-cfg.lr)
         torch.cuda.synchronize()
-        record["step_ms"].append((time.perf_counter() - started) * 1e3)
+        record["step_ms"].append((time.perf_counter() - started - paused) * 1e3)
         record["losses"].append(torch.stack([o["lm loss"] for o in out]).cpu())
-        record["main_grads"].append([p.main_grad.detach().cpu().clone() for p in params])
+        main_grads = main_grads or [p.main_grad.detach() for p in params]
+        record["main_grads"].append([g.cpu() for g in main_grads])
+        del main_grads
         record["weights"].append([p.detach().cpu().clone() for p in params])
     record["footprint_mib"] = torch.cuda.max_memory_reserved() / 2**20
     if helper is not None:
@@ -226,6 +267,21 @@ def _thread_local_capture() -> Iterator[None]:
         torch.cuda.graph.__init__ = original
 
 
+@contextlib.contextmanager
+def _side_stream() -> Iterator[None]:
+    """The whole run on a stream of its own instead of the legacy default stream, for
+    Transformer Engine's graphs: TE captures each backward with ``torch.autograd.backward``,
+    which runs the ``AccumulateGrad`` of every parameter, and the autograd engine syncs
+    that node with the stream it was made on, for Megatron's DDP the stream current when
+    DDP was built (it reaches each parameter's accumulator to hook it). A capture may not
+    make the legacy default stream wait on it (cudaErrorStreamCaptureImplicit; H100, torch
+    2.11, TE 2.20). te_graph's capture accumulates into stand-in parameters made for it
+    (``te_graph/parameters.py``) and needs no such stream."""
+    with torch.cuda.stream(torch.cuda.Stream()):
+        yield
+    torch.cuda.synchronize()
+
+
 def timing(record: dict) -> float:
     """Median step time (ms) over the graphed steps."""
     graphed = record["step_ms"][record["config"]["warmup_steps"] + 1:]
@@ -246,7 +302,8 @@ def main(argv: list[str] | None = None) -> None:
     base = RunConfig(**{k: getattr(args, k) for k in asdict(RunConfig()) if k != "graphs"})
     records = {}
     for graphs in args.graphs.split(","):
-        records[graphs] = train(replace(base, graphs=graphs))
+        with _side_stream() if graphs == "te" else contextlib.nullcontext():
+            records[graphs] = train(replace(base, graphs=graphs))
         print(f"{graphs}: median step {timing(records[graphs]):.2f} ms, footprint "
               f"{records[graphs]['footprint_mib']:.0f} MiB, losses {records[graphs]['losses'][-1].tolist()}", flush=True)
     if args.out:

@@ -147,6 +147,7 @@ class FrozenModule:
         self._hook_names = tuple(hook_names)
         self._hook_owners = tuple(hook_owners)
         self._hook_sizes = tuple(map(len, hook_tables))
+        self._hooks_at_capture = tuple(tuple(table.values()) for table in hook_tables)
         self._no_hooks = not any(self._hook_sizes)  # the usual case: one C-level any() per call
         self._params = tuple(p for _, p in params)
         self._param_names = tuple(name for name, _ in params)
@@ -202,11 +203,14 @@ class FrozenModule:
             if p.requires_grad != then:
                 found.append(f"parameter {name!r} {'now requires' if p.requires_grad else 'no longer requires'} grad")
         sizes = tuple(map(len, self._hook_tables))
-        by_hand = megatron.hooks_run_by_hand(self.module)
-        for name, (sub, kind), size, then in zip(self._hook_names, self._hook_owners, sizes, self._hook_sizes):
+        for name, (sub, kind), table, captured in zip(self._hook_names, self._hook_owners, self._hook_tables,
+                                                      self._hooks_at_capture):
+            now = tuple(table.values())
+            if len(now) == len(captured) and all(map(operator.is_, now, captured)):
+                continue
             # Forward pre-hooks megatron-core's TECudaGraphHelper runs before each replay.
-            if size != then and not (kind == "_forward_pre_hooks" and id(sub) in by_hand):
-                found.append(f"{name} changed ({then} -> {size}); hooks on a submodule run only while a graph is "
+            if not (kind == "_forward_pre_hooks" and megatron.hooks_run_by_hand(self.module, sub, now, captured)):
+                found.append(f"{name} changed ({len(captured)} -> {len(now)}); hooks on a submodule run only while a graph is "
                              "captured, never at replay (hooks on the graphed module itself run around the "
                              "graphed forward)")
         if not found:

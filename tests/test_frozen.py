@@ -94,6 +94,30 @@ def test_hooks_on_submodules_are_refused_and_hooks_on_the_module_run():
                 "run around the graphed forward). " + _REGRAPH)
 
 
+def test_ddp_pre_hooks_megatrons_helper_runs_by_hand_pass_in_any_order_and_others_are_refused():
+    """megatron-core with ``overlap_param_gather``: DDP's forward pre-hooks go on every
+    submodule after capture, the helper's ``cuda_graph_manual_hooks`` runs those of the
+    submodules with parameters before each replay; Megatron-LM turns them off and on."""
+    ran = []
+
+    def make_forward_pre_hook():  # DDP's _make_forward_pre_hook: one closure per call
+        def hook(module, *unused):
+            ran.append(module)
+        return hook
+
+    m = _graphed()
+    m.cuda_graph_manual_hooks = [(make_forward_pre_hook(), (m.lin1,)), (make_forward_pre_hook(), (m.lin2,))]
+    for _ in range(2):  # DDP's enable_forward_pre_hook / disable_forward_pre_hook, twice
+        handles = [sub.register_forward_pre_hook(make_forward_pre_hook()) for sub in m.modules()]
+        m(_x()).sum().backward()
+        for handle in handles:
+            handle.remove()
+        m(_x()).sum().backward()
+    m.drop.register_forward_pre_hook(make_forward_pre_hook())  # DDP's, on a module without parameters
+    m.drop.register_forward_pre_hook(lambda *_: None)  # the user's
+    _refused(m, "callable 0 (Net): since graphing, forward pre hooks on submodule 'drop' changed (0 -> 2); ")
+
+
 def test_a_submodule_mode_or_hyperparameter_changed_is_refused_and_one_set_again_is_not():
     m = _graphed()
     m.drop.p = 0.1  # a new float object, equal to the old one: the same program

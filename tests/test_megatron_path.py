@@ -5,8 +5,11 @@ megatron-core's real training step: GPTModel (Transformer Engine layer spec, bf1
 over 4 microbatches) and its ``TECudaGraphHelper`` making the graphs after one eager step,
 with ``te_graph.integrations.megatron.enable()`` (examples/megatron_gpt.py). Each setup runs
 eagerly, with te_graph's graphs and with te_graph's eager replay, in one fresh process, and
-every step's losses, ``main_grad`` buffers and weights after the SGD step are compared
-bitwise. Needs a GPU, megatron-core 0.19 and Transformer Engine 2.20; skipped otherwise.
+every step's losses, ``main_grad`` buffers and weights after the optimizer step are compared
+bitwise. The setups: dropout, gradient-accumulation fusion, FP8, full and selective recompute
+(both refused by Megatron with per-layer graphs), DDP's overlapped gradient reduction with
+Megatron's optimizer, the distributed optimizer with overlapped parameter gathers (DDP's
+forward pre-hooks run by the helper before each replay). Needs a GPU, megatron-core 0.19 and Transformer Engine 2.20; skipped otherwise.
 """
 from __future__ import annotations
 
@@ -33,6 +36,11 @@ SETUPS = {
     "bf16-dropout-fusion": ["--dropout", "0.1", "--fusion", "1"],
     "fp8-delayed-fusion": ["--dropout", "0.1", "--fusion", "1", "--fp8", "delayed"],
     "full-recompute-dropout": ["--dropout", "0.1", "--fusion", "1", "--recompute", "full"],
+    "selective-recompute-dropout": ["--dropout", "0.1", "--fusion", "1", "--recompute", "selective"],
+    "overlap-grad-reduce-megatron-optimizer": ["--dropout", "0.1", "--fusion", "1", "--overlap-grad-reduce", "1",
+                                               "--optimizer", "megatron"],
+    "distributed-optimizer-overlap-param-gather": ["--dropout", "0.1", "--fusion", "1", "--dist-opt", "1",
+                                                   "--overlap-grad-reduce", "1", "--overlap-param-gather", "1"],
 }
 
 
