@@ -12,8 +12,8 @@ The hot path is a few C-level passes over tuples taken once (identities, data po
 ``requires_grad`` flags, hook-dict sizes, a handful of global settings); only a mismatch
 pays for finding what changed. A change that leaves the program as it was (a value
 assigned again, equal to the old one; the forward pre-hooks Megatron's DDP registers on
-submodules of a layer whose ``cuda_graph_manual_hooks`` run them before each replay) is
-taken into the fingerprint and the call goes on; anything else raises before the call
+submodules of a layer whose ``cuda_graph_manual_hooks`` run them before each replay, see
+``integrations.megatron.hooks_run_by_hand``) is taken into the fingerprint and the call goes on; anything else raises before the call
 changes anything, saying what changed and to graph again.
 
 What no fingerprint here sees: attributes of objects that are not modules (a config
@@ -42,6 +42,14 @@ _HOOK_KINDS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_back
 _getitem = operator.getitem
 _requires_grad = operator.attrgetter("requires_grad")
 _data_ptr = torch.Tensor.data_ptr
+
+
+def _handles_made() -> int:
+    """How many hook handles the process has made: every hook registration takes the next
+    id of torch's one counter (``torch.utils.hooks.RemovableHandle.next_id``), so an unmoved
+    counter and unchanged table sizes mean the same hooks. Where the counter is missing, -1:
+    the tables' keys are compared instead."""
+    return getattr(torch.utils.hooks.RemovableHandle, "next_id", -1)
 
 _REGRAPH = (
     "A graph replays what it captured, so this call would not follow the change. Graph it "
@@ -101,7 +109,7 @@ class FrozenModule:
         values: list[Any] = []
         hook_tables: list[dict] = []
         hook_names: list[str] = []
-        hook_owners: list[tuple[Any, str]] = []  # (submodule or None, hook kind)
+        hook_kinds: list[str] = []
         params: list[tuple[str, torch.Tensor]] = []
         seen: set[int] = set()
         for prefix, sub in module.named_modules():
@@ -126,7 +134,7 @@ class FrozenModule:
                 for kind in _HOOK_KINDS:
                     hook_tables.append(getattr(sub, kind))
                     hook_names.append(f"{kind[1:].replace('_', ' ')} on {where}")
-                    hook_owners.append((sub, kind))
+                    hook_kinds.append(kind)
             fused = getattr(sub, "fuse_wgrad_accumulation", False) is True
             for name, p in compat.parameter_slots(sub).items():
                 if p is not None:
@@ -138,15 +146,17 @@ class FrozenModule:
         for kind, table in compat.global_module_hook_dicts():
             hook_tables.append(table)
             hook_names.append(f"global module {kind} (torch.nn.modules.module.register_module_{kind[:-1]})")
-            hook_owners.append((None, kind))
+            hook_kinds.append(kind)
         self._slots = tuple(slots)
         self._tables = tuple(s.table for s in slots)
         self._keys = tuple(s.key for s in slots)
         self._values = tuple(values)
         self._hook_tables = tuple(hook_tables)
         self._hook_names = tuple(hook_names)
-        self._hook_owners = tuple(hook_owners)
+        self._hook_kinds = tuple(hook_kinds)
         self._hook_sizes = tuple(map(len, hook_tables))
+        self._hook_keys = tuple(map(tuple, hook_tables))  # handle ids: a new hook has a new one
+        self._handles_made = _handles_made()
         self._hooks_at_capture = tuple(tuple(table.values()) for table in hook_tables)
         self._no_hooks = not any(self._hook_sizes)  # the usual case: one C-level any() per call
         self._params = tuple(p for _, p in params)
@@ -167,10 +177,22 @@ class FrozenModule:
                 tuple(map(_getitem, self._tables, self._keys)) == self._values
                 and tuple(map(_data_ptr, self._addressed)) == self._pointers
                 and tuple(map(_requires_grad, self._params)) == self._grads
-                and (not any(self._hook_tables) if self._no_hooks else tuple(map(len, self._hook_tables)) == self._hook_sizes)
+                and (not any(self._hook_tables) if self._no_hooks else self._same_hooks())
             )
         except (KeyError, RuntimeError):  # an attribute was deleted; a tensor compared by value
             return False
+
+    def _same_hooks(self) -> bool:
+        """Whether every hook table holds the hooks it held at the last check: one integer
+        compare while no hook was registered anywhere, else the tables' keys (a hook removed
+        and another added keeps a table's size, never its keys)."""
+        made = _handles_made()
+        if made == self._handles_made and made >= 0:
+            return tuple(map(len, self._hook_tables)) == self._hook_sizes
+        if tuple(map(tuple, self._hook_tables)) != self._hook_keys:
+            return False
+        self._handles_made = made  # hooks registered elsewhere (a tensor's, another module's)
+        return True
 
     def changes(self) -> list[str]:
         """What changed, taking in the changes that leave the program as it was."""
@@ -202,25 +224,41 @@ class FrozenModule:
         for name, p, then in zip(self._param_names, self._params, self._grads):
             if p.requires_grad != then:
                 found.append(f"parameter {name!r} {'now requires' if p.requires_grad else 'no longer requires'} grad")
+        made = _handles_made()
         sizes = tuple(map(len, self._hook_tables))
-        for name, (sub, kind), table, captured in zip(self._hook_names, self._hook_owners, self._hook_tables,
-                                                      self._hooks_at_capture):
+        megatron_hooks = megatron.hooks_run_by_hand(self.module)
+        for name, kind, table, captured in zip(self._hook_names, self._hook_kinds, self._hook_tables,
+                                               self._hooks_at_capture):
             now = tuple(table.values())
-            if len(now) == len(captured) and all(map(operator.is_, now, captured)):
+            if _same(now, captured):
                 continue
-            # Forward pre-hooks megatron-core's TECudaGraphHelper runs before each replay.
-            if not (kind == "_forward_pre_hooks" and megatron.hooks_run_by_hand(self.module, sub, now, captured)):
-                found.append(f"{name} changed ({len(captured)} -> {len(now)}); hooks on a submodule run only while a graph is "
-                             "captured, never at replay (hooks on the graphed module itself run around the "
-                             "graphed forward)")
+            # Forward pre-hooks of megatron-core's DDP, which its TECudaGraphHelper runs by hand.
+            if kind == "_forward_pre_hooks" and _same(_leaving_out(now, megatron_hooks),
+                                                      _leaving_out(captured, megatron_hooks)):
+                continue
+            counts = f"{len(captured)} -> {len(now)}" + (", other hooks" if len(now) == len(captured) else "")
+            found.append(f"{name} changed ({counts}); hooks on a submodule run only while a graph is "
+                         "captured, never at replay (hooks on the graphed module itself run around the "
+                         "graphed forward)")
         if not found:
             self._values = tuple(values)
             self._hook_sizes = sizes
+            self._hook_keys = tuple(map(tuple, self._hook_tables))
+            self._handles_made = made
             self._no_hooks = not any(sizes)
         return found
 
 
 _GONE = object()
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    """The same objects, in order (identity: a hook's ``__eq__`` is its own business)."""
+    return len(a) == len(b) and all(map(operator.is_, a, b))
+
+
+def _leaving_out(hooks: tuple, codes: frozenset) -> tuple:
+    return tuple(h for h in hooks if getattr(h, "__code__", None) not in codes)
 
 
 def _qualified(prefix: str, name: str) -> str:

@@ -94,28 +94,56 @@ def test_hooks_on_submodules_are_refused_and_hooks_on_the_module_run():
                 "run around the graphed forward). " + _REGRAPH)
 
 
+def _make_forward_pre_hook():
+    """megatron-core DDP's ``_make_forward_pre_hook``: one closure per call, one code."""
+    def hook(module, *unused):
+        return None
+    return hook
+
+
 def test_ddp_pre_hooks_megatrons_helper_runs_by_hand_pass_in_any_order_and_others_are_refused():
     """megatron-core with ``overlap_param_gather``: DDP's forward pre-hooks go on every
     submodule after capture, the helper's ``cuda_graph_manual_hooks`` runs those of the
-    submodules with parameters before each replay; Megatron-LM turns them off and on."""
-    ran = []
-
-    def make_forward_pre_hook():  # DDP's _make_forward_pre_hook: one closure per call
-        def hook(module, *unused):
-            ran.append(module)
-        return hook
-
+    submodules with parameters in the graph's scope before each replay (here lin1 alone: lin2
+    stands for a submodule outside the scope, which runs eagerly); Megatron-LM turns them off
+    and on."""
     m = _graphed()
-    m.cuda_graph_manual_hooks = [(make_forward_pre_hook(), (m.lin1,)), (make_forward_pre_hook(), (m.lin2,))]
+    m.cuda_graph_manual_hooks = [(_make_forward_pre_hook(), (m.lin1,))]
     for _ in range(2):  # DDP's enable_forward_pre_hook / disable_forward_pre_hook, twice
-        handles = [sub.register_forward_pre_hook(make_forward_pre_hook()) for sub in m.modules()]
+        handles = [sub.register_forward_pre_hook(_make_forward_pre_hook()) for sub in m.modules()]
         m(_x()).sum().backward()
         for handle in handles:
             handle.remove()
         m(_x()).sum().backward()
-    m.drop.register_forward_pre_hook(make_forward_pre_hook())  # DDP's, on a module without parameters
+    m.drop.register_forward_pre_hook(_make_forward_pre_hook())  # DDP's, on a module without parameters
     m.drop.register_forward_pre_hook(lambda *_: None)  # the user's
     _refused(m, "callable 0 (Net): since graphing, forward pre hooks on submodule 'drop' changed (0 -> 2); ")
+
+
+def test_a_hook_swapped_for_another_keeps_the_count_and_is_still_refused():
+    """After an accepted change the fast path knows the new hooks: a DDP hook later swapped
+    for a user's (same count per table) is refused, as is a swapped global hook."""
+    m = _graphed()
+    m.cuda_graph_manual_hooks = [(_make_forward_pre_hook(), (m.lin1,))]
+    handle = m.lin1.register_forward_pre_hook(_make_forward_pre_hook())
+    m(_x()).sum().backward()  # accepted: the helper runs it by hand
+    handle.remove()
+    m.lin1.register_forward_pre_hook(lambda module, args: (args[0] * 2,))
+    _refused(m, "callable 0 (Net): since graphing, forward pre hooks on submodule 'lin1' changed "
+                "(0 -> 1); ")
+    first = torch.nn.modules.module.register_module_forward_pre_hook(lambda *_: None)
+    try:
+        m = _graphed()
+        m(_x()).sum().backward()
+        first.remove()
+        second = torch.nn.modules.module.register_module_forward_pre_hook(lambda *_: None)
+        try:
+            _refused(m, "callable 0 (Net): since graphing, global module forward_pre_hooks "
+                        "(torch.nn.modules.module.register_module_forward_pre_hook) changed (1 -> 1, other hooks); ")
+        finally:
+            second.remove()
+    finally:
+        first.remove()
 
 
 def test_a_submodule_mode_or_hyperparameter_changed_is_refused_and_one_set_again_is_not():

@@ -61,29 +61,22 @@ def capture_entry(module: torch.nn.Module) -> Optional[Callable]:
     return route if route is not None and capturing() else None
 
 
-def hooks_run_by_hand(layer: torch.nn.Module, sub: torch.nn.Module, now: tuple, captured: tuple) -> bool:
-    """Whether ``sub``'s forward pre-hooks ``now`` are those it had at capture
-    (``captured``) once the hooks megatron-core's helper runs by hand before each replay of
-    ``layer`` are left out of both.
+def hooks_run_by_hand(layer: torch.nn.Module) -> frozenset:
+    """The code of the forward pre-hooks megatron-core's DDP puts on ``layer``'s submodules
+    (``overlap_param_gather``), as its helper's ``cuda_graph_manual_hooks`` holds them, or
+    nothing where the helper runs none by hand. Such hooks may come and go after graphing:
 
-    The helper's ``cuda_graph_manual_hooks`` holds (hook, (submodule,)) pairs made by DDP's
-    ``_make_forward_pre_hook`` for each submodule with parameters of its own; DDP registers
-    a hook from the same factory on every submodule (``overlap_param_gather``), and on one
-    without parameters of its own that hook does nothing (it waits for those parameters'
-    all-gather), which is why the helper leaves it out. Hooks are told apart by their code.
-    Megatron-LM turns those hooks off and on around evaluation and checkpoints; any order
-    passes.
-    """
+    * on a submodule with parameters of its own under the graph's scope, the helper runs
+      them before each replay (``setup_manual_hooks`` lists every one of those);
+    * on a submodule with parameters outside that scope (``cuda_graph_modules`` graphing a
+      part of the layer), they run when it runs, eagerly, after the graph;
+    * on a submodule without parameters of its own they do nothing (they wait for those
+      parameters' all-gather).
+
+    Hooks are told apart by their code: DDP makes one closure per submodule from one
+    factory. Megatron-LM turns them off and on around evaluation and checkpoints."""
     manual = getattr(layer, "cuda_graph_manual_hooks", None) or ()
-    owners = {id(args[0]) for _, args in manual if args}
-    codes = {getattr(hook, "__code__", None) for hook, _ in manual} - {None}
-    if not codes or (id(sub) not in owners and next(sub.parameters(recurse=False), None) is not None):
-        return False
-
-    def others(hooks: tuple) -> list:
-        return [hook for hook in hooks if getattr(hook, "__code__", None) not in codes]
-
-    return others(now) == others(captured)
+    return frozenset(getattr(hook, "__code__", None) for hook, _ in manual) - {None}
 
 
 def checkpoint(function: Callable, distribute_saved_activations: bool, *args: Any) -> Any:
