@@ -6,8 +6,9 @@ For each precision it builds bench_te.py's ``te_graph`` row (same layers, same s
 * times ``--iters`` steps, each synchronised (median ms per step);
 * times the host and the GPU apart: each step queued behind a GPU spin longer than the
   step, so the host issues it without waiting for the GPU (median host ms) and the GPU runs
-  it without waiting for the host (median GPU ms, between events around the step); both
-  also per layer call, a call being one forward and its backward;
+  it without waiting for the host (median GPU ms, between events around the step); a
+  sample whose host time outlasts the spin is left out and counted; both also per layer
+  call (the step's time divided by the number of layers: one forward and its backward);
 * runs ``--profile-iters`` steps under ``cProfile`` and prints the functions with the most
   own time, in microseconds per layer call.
 
@@ -53,23 +54,34 @@ def _median_ms(step, inputs: Sequence[torch.Tensor], iters: int) -> float:
     return statistics.median(times)
 
 
-def _host_and_gpu_ms(step, inputs: Sequence[torch.Tensor], iters: int) -> tuple[float, float]:
+def _host_and_gpu_ms(step, inputs: Sequence[torch.Tensor], iters: int) -> tuple[float, float, int]:
     """Median host ms (issuing the step) and GPU ms (running it), each step queued behind a
-    GPU spin longer than the step: the host never waits for the GPU (a full launch queue, an
-    allocator sync), and the GPU never waits for the host (no gaps between its kernels)."""
-    host, gpu = [], []
+    GPU spin longer than the step: the host does not wait for the GPU (a full launch queue,
+    an allocator sync), and the GPU does not wait for the host (no gaps between its
+    kernels). Also how many samples broke that: the spin was over before the host had
+    issued the whole step (those are left out)."""
+    host, gpu, broken = [], [], 0
+    spun = torch.cuda.Event()
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for i in range(iters):
         torch.cuda.synchronize()
         torch.cuda._sleep(SPIN_CYCLES)
+        spun.record()
         begin.record()
         start = time.perf_counter()
         step(inputs[i % len(inputs)])
-        host.append((time.perf_counter() - start) * 1e3)
+        issued = time.perf_counter()
+        valid = not spun.query()
         end.record()
         torch.cuda.synchronize()
-        gpu.append(begin.elapsed_time(end))
-    return statistics.median(host), statistics.median(gpu)
+        if valid:
+            host.append((issued - start) * 1e3)
+            gpu.append(begin.elapsed_time(end))
+        else:
+            broken += 1
+    if not host:
+        raise RuntimeError("profile_te_host.py: every step outlasted the GPU spin; raise SPIN_CYCLES.")
+    return statistics.median(host), statistics.median(gpu), broken
 
 
 SPIN_CYCLES = 60_000_000  # ~30 ms of an H100's clock: longer than the steps profiled here
@@ -84,7 +96,7 @@ def profile(config: str, precision: str, kind: str, iters: int, profile_iters: i
         for i in range(10):
             built.step(inputs[i % len(inputs)])
         step_ms = _median_ms(built.step, inputs, iters)
-        host_ms, gpu_ms = _host_and_gpu_ms(built.step, inputs, iters)
+        host_ms, gpu_ms, broken = _host_and_gpu_ms(built.step, inputs, iters)
         profiler = cProfile.Profile()
         torch.cuda.synchronize()
         profiler.enable()
@@ -100,7 +112,8 @@ def profile(config: str, precision: str, kind: str, iters: int, profile_iters: i
     stats = pstats.Stats(profiler, stream=out)
     lines = [f"== {config} {kind} {precision} ({layers} layers): step {step_ms:.3f} ms synchronised; host {host_ms:.3f} ms "
              f"({host_ms * 1e3 / layers:.1f} us per layer call); GPU {gpu_ms:.3f} ms "
-             f"({gpu_ms * 1e3 / layers:.1f} us per layer call)",
+             f"({gpu_ms * 1e3 / layers:.1f} us per layer call; per layer call = per step / layers)"
+             + (f"; {broken} of {iters} samples outlasted the spin, left out" if broken else ""),
              f"   own time, us per layer call (cProfile, {profile_iters} steps; cProfile itself adds time):"]
     rows = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
     for (file, line, name), (_, ncalls, tottime, cumtime, _) in rows:

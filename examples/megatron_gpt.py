@@ -173,6 +173,9 @@ def train(cfg: RunConfig) -> dict:
     from megatron.core.transformer.cuda_graphs import TECudaGraphHelper  # noqa: PLC0415
     from te_graph.integrations import megatron as integration  # noqa: PLC0415
 
+    if cfg.overlap_param_gather and not cfg.dist_opt:
+        raise ValueError("--overlap-param-gather needs --dist-opt 1 (DDP overlaps the all-gathers of the "
+                         "distributed optimizer's parameter shards).")
     setup_process()
     integration.disable()
     if cfg.graphs in ("te_graph", "te_graph_replay"):
@@ -222,7 +225,8 @@ def train(cfg: RunConfig) -> dict:
                       forward_only=False)
         paused, main_grads = 0.0, None
         if optimizer is not None:
-            # Its gradient clipping may scale main_grad in place: keep a copy first, off the clock.
+            # Its gradient clipping may scale main_grad in place: keep a copy first, off the
+            # clock (two sync points the plain-SGD runs do not have: compare like with like).
             torch.cuda.synchronize()
             pause = time.perf_counter()
             main_grads = [p.main_grad.detach().clone() for p in params]
