@@ -14,7 +14,8 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch>=2.4"],
     extras_require={
-        "test": ["pytest>=7", "pytest-xdist>=3"],
+        # transformers: tests/test_hf_layers.py graphs its layers (a real client, as TE is).
+        "test": ["pytest>=7", "pytest-xdist>=3", "transformers>=4.48"],
         "bench": ["tabulate>=0.9"],
         "examples": ["tqdm>=4", "matplotlib>=3.5"],
         "docs": [],

@@ -1,0 +1,119 @@
+"""Hugging Face ``transformers`` layers, graphed as users would graph them: each trains as
+eagerly, bit for bit (losses, input gradients, weights after SGD steps), with dropout, with
+its attention in the eager and the SDPA implementation, with an input that requires grad
+or not, one layer per callable. A refusal here would be a false positive: these layers
+train exactly.
+
+On the CPU the graphed side is eager replay (the graphs' mirror); on a GPU the same cases
+run with graphs and with eager replay. Skipped where ``transformers`` is not installed
+(``pip install -e ".[test]"`` installs it).
+"""
+from __future__ import annotations
+
+import copy
+import importlib.util
+from typing import Callable
+
+import pytest
+import torch
+
+import te_graph
+from tests.graph_helpers import weighted_loss
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                                reason='needs Hugging Face transformers: pip install -e ".[test]"')
+
+S, B, H, HEADS = 8, 2, 32, 4
+DROPOUT = 0.1
+STEPS = 3
+
+
+def _llama(attention: str) -> tuple[Callable[[], torch.nn.Module], Callable[[torch.device], dict]]:
+    from transformers import LlamaConfig  # noqa: PLC0415
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding  # noqa: PLC0415
+
+    config = LlamaConfig(hidden_size=H, intermediate_size=2 * H, num_attention_heads=HEADS, num_key_value_heads=2,
+                         attention_dropout=DROPOUT, num_hidden_layers=2)
+    config._attn_implementation = attention
+
+    def keywords(device: torch.device) -> dict:
+        # The model computes rotary embeddings once and hands every layer (cos, sin).
+        rotary = LlamaRotaryEmbedding(config).to(device)
+        positions = torch.arange(S, device=device)[None].expand(B, S)
+        return {"position_embeddings": rotary(torch.zeros(B, S, H, device=device), positions)}
+
+    return (lambda: LlamaDecoderLayer(config, layer_idx=0)), keywords
+
+
+def _gpt2(attention: str) -> tuple[Callable[[], torch.nn.Module], Callable[[torch.device], dict]]:
+    from transformers import GPT2Config  # noqa: PLC0415
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block  # noqa: PLC0415
+
+    config = GPT2Config(n_embd=H, n_head=HEADS, n_layer=2, resid_pdrop=DROPOUT, attn_pdrop=DROPOUT)
+    config._attn_implementation = attention
+    return (lambda: GPT2Block(config, layer_idx=0)), (lambda device: {})
+
+
+def _bert(attention: str) -> tuple[Callable[[], torch.nn.Module], Callable[[torch.device], dict]]:
+    from transformers import BertConfig  # noqa: PLC0415
+    from transformers.models.bert.modeling_bert import BertLayer  # noqa: PLC0415
+
+    config = BertConfig(hidden_size=H, num_attention_heads=HEADS, intermediate_size=2 * H,
+                        hidden_dropout_prob=DROPOUT, attention_probs_dropout_prob=DROPOUT)
+    config._attn_implementation = attention
+    return (lambda: BertLayer(config)), (lambda device: {})
+
+
+LAYERS = {"llama": _llama, "gpt2": _gpt2, "bert": _bert}
+MODES = [pytest.param("cpu", True, id="cpu-eager-replay"),
+         pytest.param("cuda", False, id="cuda-graphs", marks=pytest.mark.gpu),
+         pytest.param("cuda", True, id="cuda-eager-replay", marks=pytest.mark.gpu)]
+
+
+def _first(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _train(layer: torch.nn.Module, call: Callable, keywords: dict, inputs: list[torch.Tensor]) -> dict:
+    """SGD steps from one seed: every step's loss and input gradient, the weights after."""
+    torch.manual_seed(7)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    losses, input_grads = [], []
+    for x in inputs:
+        x = x.detach().clone().requires_grad_(x.requires_grad)
+        loss = weighted_loss(_first(call(x, **keywords)))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+        input_grads.append(x.grad)
+    return {"losses": losses, "input_grads": input_grads, "weights": [p.detach().clone() for p in layer.parameters()]}
+
+
+@pytest.mark.parametrize("device, eager_replay", MODES)
+@pytest.mark.parametrize("input_grad", [True, False], ids=["input-grad", "input-no-grad"])
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+@pytest.mark.parametrize("kind", list(LAYERS))
+def test_hf_layer_trains_as_eager(kind, attention, input_grad, device, eager_replay):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    device = torch.device(device)
+    make, keywords_for = LAYERS[kind](attention)
+    torch.manual_seed(0)
+    eager = make().to(device).train()
+    graphed_layer = copy.deepcopy(eager)
+    keywords = keywords_for(device)
+    generator = torch.Generator(device=device).manual_seed(1)
+    inputs = [torch.randn(B, S, H, device=device, generator=generator).requires_grad_(input_grad) for _ in range(STEPS)]
+    sample = torch.randn(B, S, H, device=device).requires_grad_(input_grad)
+    graphed = te_graph.make_graphed_callables(graphed_layer, (sample,), sample_kwargs=keywords,
+                                              eager_replay=eager_replay)
+
+    want = _train(eager, eager, keywords, inputs)
+    got = _train(graphed_layer, graphed, keywords, inputs)
+    for name in ("losses", "input_grads", "weights"):
+        for step, (a, b) in enumerate(zip(got[name], want[name])):
+            if a is None or b is None:
+                assert a is b, f"{kind}: {name}[{step}] is {a} against eager's {b}"
+                continue
+            assert torch.equal(a, b), f"{kind}: {name}[{step}] differs (max {(a.float() - b.float()).abs().max().item():.3g})"
