@@ -1,8 +1,8 @@
 """Hugging Face ``transformers`` layers, graphed as users would graph them: each trains as
 eagerly, bit for bit (losses, input gradients, weights after SGD steps), with dropout, with
 its attention in the eager and the SDPA implementation, with an input that requires grad
-or not, one layer per callable. A refusal here would be a false positive: these layers
-train exactly.
+or not, one layer per callable or two in one call, with a validation pass in eval mode in
+between. A refusal here would be a false positive: these layers train exactly.
 
 On the CPU the graphed side is eager replay (the graphs' mirror); on a GPU the same cases
 run with graphs and with eager replay. Skipped where ``transformers`` is not installed
@@ -77,7 +77,7 @@ def _first(out):
 def _train(layer: torch.nn.Module, call: Callable, keywords: dict, inputs: list[torch.Tensor]) -> dict:
     """SGD steps from one seed: every step's loss and input gradient, the weights after."""
     torch.manual_seed(7)
-    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=1e-3)
     losses, input_grads = [], []
     for x in inputs:
         x = x.detach().clone().requires_grad_(x.requires_grad)
@@ -88,6 +88,15 @@ def _train(layer: torch.nn.Module, call: Callable, keywords: dict, inputs: list[
         losses.append(loss.detach())
         input_grads.append(x.grad)
     return {"losses": losses, "input_grads": input_grads, "weights": [p.detach().clone() for p in layer.parameters()]}
+
+
+def _assert_same(got: dict, want: dict, what: str) -> None:
+    for name in ("losses", "input_grads", "weights"):
+        for step, (a, b) in enumerate(zip(got[name], want[name])):
+            if a is None or b is None:
+                assert a is b, f"{what}: {name}[{step}] is {a} against eager's {b}"
+                continue
+            assert torch.equal(a, b), f"{what}: {name}[{step}] differs (max {(a.float() - b.float()).abs().max().item():.3g})"
 
 
 @pytest.mark.parametrize("device, eager_replay", MODES)
@@ -109,11 +118,41 @@ def test_hf_layer_trains_as_eager(kind, attention, input_grad, device, eager_rep
     graphed = te_graph.make_graphed_callables(graphed_layer, (sample,), sample_kwargs=keywords,
                                               eager_replay=eager_replay)
 
-    want = _train(eager, eager, keywords, inputs)
-    got = _train(graphed_layer, graphed, keywords, inputs)
-    for name in ("losses", "input_grads", "weights"):
-        for step, (a, b) in enumerate(zip(got[name], want[name])):
-            if a is None or b is None:
-                assert a is b, f"{kind}: {name}[{step}] is {a} against eager's {b}"
-                continue
-            assert torch.equal(a, b), f"{kind}: {name}[{step}] differs (max {(a.float() - b.float()).abs().max().item():.3g})"
+    _assert_same(_train(graphed_layer, graphed, keywords, inputs), _train(eager, eager, keywords, inputs), kind)
+    # A validation pass in eval mode (dropout off, no grad) runs eagerly, then training goes on.
+    for layer in (eager, graphed_layer):
+        layer.eval()
+    with torch.no_grad():
+        assert torch.equal(_first(graphed(inputs[0], **keywords)), _first(eager(inputs[0], **keywords)))
+    for layer in (eager, graphed_layer):
+        layer.train()
+    _assert_same(_train(graphed_layer, graphed, keywords, inputs), _train(eager, eager, keywords, inputs), kind)
+
+
+@pytest.mark.parametrize("device, eager_replay", MODES)
+def test_hf_layers_graphed_together_train_as_eager(device, eager_replay):
+    """Two Llama decoder layers as two callables of one make_graphed_callables call (one
+    pool), chained as a model chains them, each with the model's rotary embeddings."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    device = torch.device(device)
+    make, keywords_for = _llama("sdpa")
+    torch.manual_seed(0)
+    eager = torch.nn.ModuleList([make(), make()]).to(device).train()
+    graphed_layers = copy.deepcopy(eager)
+    keywords = keywords_for(device)
+    generator = torch.Generator(device=device).manual_seed(1)
+    inputs = [torch.randn(B, S, H, device=device, generator=generator, requires_grad=True) for _ in range(STEPS)]
+    samples = tuple((torch.randn(B, S, H, device=device, requires_grad=True),) for _ in range(2))
+    graphed = te_graph.make_graphed_callables(tuple(graphed_layers), samples, sample_kwargs=(keywords, keywords),
+                                              eager_replay=eager_replay)
+
+    def chain(layers):
+        def call(x, **kw):
+            for layer in layers:
+                x = _first(layer(x, **kw))
+            return x
+        return call
+
+    _assert_same(_train(graphed_layers, chain(graphed), keywords, inputs), _train(eager, chain(eager), keywords, inputs),
+                 "two llama layers")
