@@ -93,9 +93,8 @@ def check_modules(callables: Sequence[Callable]) -> None:
             where = f"submodule {name!r} of callable {index}" if name else f"callable {index}"
             # Transformer Engine's modules that accumulate weight gradients into main_grad.
             fused = getattr(module, "fuse_wgrad_accumulation", False) is True and hasattr(module, "need_backward_dw")
-            weights = [getattr(module, w, None) for w in getattr(module, "weight_names", ())] if fused else []
-            missing = [w for w, p in zip(getattr(module, "weight_names", ()), weights)
-                       if p is not None and p.requires_grad and not hasattr(p, "main_grad")]
+            weights = {w: getattr(module, w, None) for w in getattr(module, "weight_names", ())} if fused else {}
+            missing = [w for w, p in weights.items() if p is not None and p.requires_grad and not hasattr(p, "main_grad")]
             if missing:
                 raise ValueError(
                     f"make_graphed_callables: {where} ({type(module).__name__}) is built with "

@@ -9,12 +9,13 @@ compares a small fingerprint of all that with the one taken when graphing ended.
 replay checks the same, so it stays the graphs' mirror.
 
 The hot path is a few C-level passes over tuples taken once (identities, data pointers,
-``requires_grad`` flags, hook-dict sizes, a handful of global settings); only a mismatch
-pays for finding what changed. A change that leaves the program as it was (a value
-assigned again, equal to the old one; the forward pre-hooks Megatron's DDP registers on
-submodules of a layer whose ``cuda_graph_manual_hooks`` run them before each replay, see
-``integrations.megatron.hooks_run_by_hand``) is taken into the fingerprint and the call goes on; anything else raises before the call
-changes anything, saying what changed and to graph again.
+``requires_grad`` flags, hook-dict sizes with torch's hook-handle counter, a handful of
+global settings); only a mismatch pays for finding what changed. A change that leaves the
+program as it was (a value assigned again, equal to the old one; the forward pre-hooks
+Megatron's DDP registers on submodules of a layer whose ``cuda_graph_manual_hooks`` run
+them before each replay, see ``integrations.megatron.hooks_run_by_hand``) is taken into
+the fingerprint and the call goes on; anything else raises before the call changes
+anything, saying what changed and to graph again.
 
 What no fingerprint here sees: attributes of objects that are not modules (a config
 object the forward reads), integer attributes (a framework's per-call counters live
@@ -50,6 +51,7 @@ def _handles_made() -> int:
     counter and unchanged table sizes mean the same hooks. Where the counter is missing, -1:
     the tables' keys are compared instead."""
     return getattr(torch.utils.hooks.RemovableHandle, "next_id", -1)
+
 
 _REGRAPH = (
     "A graph replays what it captured, so this call would not follow the change. Graph it "
@@ -164,8 +166,9 @@ class FrozenModule:
         self._grads = tuple(map(_requires_grad, self._params))
         # Only plain tensors have a data pointer of their own (TE's quantized weights are
         # wrapper subclasses: their identity and requires_grad are compared).
-        self._addressed = tuple(p for p in self._params if type(p) in (torch.Tensor, torch.nn.Parameter))
-        self._addressed_names = tuple(n for n, p in params if type(p) in (torch.Tensor, torch.nn.Parameter))
+        addressed = [(n, p) for n, p in params if type(p) in (torch.Tensor, torch.nn.Parameter)]
+        self._addressed = tuple(p for _, p in addressed)
+        self._addressed_names = tuple(n for n, _ in addressed)
         self._pointers = tuple(map(_data_ptr, self._addressed))
 
     def matches(self) -> bool:

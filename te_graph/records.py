@@ -76,7 +76,9 @@ def make_spec(
     differentiate either; graphing under ``torch.no_grad()`` makes forward-only graphs.
     """
     call = _entry(func)
-    optional = none_default_keywords(call) | (none_default_keywords(func.forward) if isinstance(func, torch.nn.Module) else frozenset())
+    optional = none_default_keywords(call)
+    if isinstance(func, torch.nn.Module) and call != func.forward:  # routed: the forward's keywords too
+        optional |= none_default_keywords(func.forward)
     layout = InputLayout(name, args, kwargs, optional)
     params: tuple = ()
     training = True

@@ -183,16 +183,17 @@ class Runner:
         if self.has_wgrad:
             self.wgrad_book.check_backward(self)
         self._check_fresh(invocation)
-        if self.multi_output and any(g is None for i, g in enumerate(grads) if i not in self.non_differentiable):
-            missing = next(i for i, g in enumerate(grads) if g is None and i not in self.non_differentiable)
-            raise RuntimeError(
-                f"{self.name}: output {missing} got no gradient in this backward (the loss does not "
-                "use it), but the backward graph was captured with a gradient for every "
-                "differentiable output: it would push zeros through that output's part of the "
-                "backward, where eager autograd skips it (zeros there turn into NaN through log, "
-                "sqrt or a division). Use every differentiable output in the loss, or return only "
-                "the outputs you use (detach the others inside the callable)."
-            )
+        if self.multi_output:
+            missing = next((i for i, g in enumerate(grads) if g is None and i not in self.non_differentiable), None)
+            if missing is not None:
+                raise RuntimeError(
+                    f"{self.name}: output {missing} got no gradient in this backward (the loss does not "
+                    "use it), but the backward graph was captured with a gradient for every "
+                    "differentiable output: it would push zeros through that output's part of the "
+                    "backward, where eager autograd skips it (zeros there turn into NaN through log, "
+                    "sqrt or a division). Use every differentiable output in the loss, or return only "
+                    "the outputs you use (detach the others inside the callable)."
+                )
 
     def _after_backward(self) -> None:
         if self.has_wgrad:
