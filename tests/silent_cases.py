@@ -316,6 +316,26 @@ def graph_under_autocast(st):
         return default_graph(st)
 
 
+def _ddp_pre_hook():
+    """megatron-core DDP's ``_make_forward_pre_hook``: one closure per call, one code."""
+    def hook(module, *unused):
+        return None
+    return hook
+
+
+def ddp_hooks_then_swap(st, step):
+    """Step 1: DDP's forward pre-hook on a submodule that Megatron's helper runs by hand
+    (``cuda_graph_manual_hooks``): accepted. Step 2: that hook swapped for one of the user's,
+    which keeps every hook table's size."""
+    layer = st.layers[0]
+    if step == 1:
+        layer.cuda_graph_manual_hooks = [(_ddp_pre_hook(), (layer.lin1,))]
+        st.kept.append(layer.lin1.register_forward_pre_hook(_ddp_pre_hook()))
+    if step == 2:
+        st.kept.pop().remove()
+        layer.lin1.register_forward_pre_hook(lambda m, a: (a[0] * 0.5,))
+
+
 def eval_call(context):
     def observe(st):
         with context():
@@ -374,6 +394,8 @@ CHANGED = [
     Case("unfreeze-later", "changed", "unfreezes a bias that had requires_grad=False at capture",
          build=nets(then=lambda ls: ls[0].lin1.bias.requires_grad_(False)),
          change=at(1, lambda st: st.layers[0].lin1.bias.requires_grad_())),
+    Case("ddp-hook-swapped", "changed", "adds Megatron DDP's pre-hook (run by hand), then swaps it for its own",
+         change=ddp_hooks_then_swap),
 ]
 
 
