@@ -255,9 +255,11 @@ def train(cfg: RunConfig) -> dict:
 @contextlib.contextmanager
 def _thread_local_capture() -> Iterator[None]:
     """Transformer Engine's graphs capture with ``torch.cuda.graph``'s default, CUDA's global
-    capture mode, which fails beside the NCCL process group's watchdog thread ("operation
-    would make the legacy stream depend on a capturing blocking stream", seen on an H100
-    with torch 2.11); TE's rows run with ``thread_local``, the mode te_graph captures in."""
+    capture mode; TE's rows capture with ``thread_local``, the mode te_graph captures in, so
+    that the two differ in nothing but the graphs. (Added when TE's capture failed with
+    "operation would make the legacy stream depend on a capturing blocking stream", before
+    that failure was traced to the legacy default stream, see ``_side_stream``; whether
+    global mode works on a side stream was not tried.)"""
     original = torch.cuda.graph.__init__
 
     def init(self: Any, cuda_graph: Any, pool: Any = None, stream: Any = None,
