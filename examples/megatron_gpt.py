@@ -54,6 +54,16 @@ class RunConfig:
     dist_opt: bool = False  # Megatron's distributed optimizer (implies optimizer="megatron")
     overlap_grad_reduce: bool = False  # DDP reduces each bucket as its gradients become ready
     overlap_param_gather: bool = False  # DDP's forward pre-hooks wait for parameter all-gathers (dist_opt)
+    # Mixture of experts (0: dense layers): every layer's MLP becomes megatron-core's MoELayer
+    # (TE grouped GEMM, alltoall dispatcher, aux-loss load balancing).
+    experts: int = 0
+    topk: int = 2
+    moe_ffn: int = 0  # the experts' hidden size (0: 4 * hidden)
+    capacity: float = 0.0  # 0: dropless; else drop-and-pad at this capacity factor
+    aux_loss: float = 1e-2
+    # The helper's cuda_graph_modules, comma-separated ("": the whole layer), for example
+    # "attn,moe_router,moe_preprocess": the graphs end before token dispatch, which runs eagerly.
+    graph_modules: str = ""
     # "eager", "te_graph" (the helper, te_graph's graphs), "te_graph_replay" (te_graph's eager
     # replay) or "te" (the helper, Transformer Engine's graphs)
     graphs: str = "te_graph"
@@ -102,13 +112,22 @@ def _build(cfg: RunConfig) -> tuple[list, Any, Any]:
     model_parallel_cuda_manual_seed(cfg.seed, te_rng_tracker=True, force_reset_rng=True)
     torch.manual_seed(cfg.seed)
     fp8 = {"fp8": "hybrid", "fp8_recipe": cfg.fp8} if cfg.fp8 else {}
+    moe = {}
+    if cfg.experts:
+        moe = dict(num_moe_experts=cfg.experts, moe_router_topk=cfg.topk, moe_grouped_gemm=True,
+                   moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=cfg.aux_loss,
+                   moe_ffn_hidden_size=cfg.moe_ffn or 4 * cfg.hidden)
+        if cfg.capacity:
+            moe.update(moe_expert_capacity_factor=cfg.capacity, moe_pad_expert_input_to_capacity=True)
+    if cfg.graph_modules:
+        moe["cuda_graph_modules"] = cfg.graph_modules.split(",")
     config = TransformerConfig(
         num_layers=cfg.layers, hidden_size=cfg.hidden, num_attention_heads=cfg.heads,
         bf16=True, params_dtype=torch.bfloat16, hidden_dropout=cfg.dropout, attention_dropout=cfg.dropout,
         # The same in every run (the eager one never makes graphs): DDP and the layers then
         # take the same paths, and only the helper differs.
         cuda_graph_impl="transformer_engine",
-        cuda_graph_warmup_steps=cfg.warmup_steps, gradient_accumulation_fusion=cfg.fusion, **fp8,
+        cuda_graph_warmup_steps=cfg.warmup_steps, gradient_accumulation_fusion=cfg.fusion, **fp8, **moe,
     )
     if cfg.recompute == "full":
         # Megatron's __post_init__ refuses full recompute with per-layer graphs (its own
@@ -123,7 +142,9 @@ def _build(cfg: RunConfig) -> tuple[list, Any, Any]:
     available = tp_layers._grad_accum_fusion_available
     tp_layers._grad_accum_fusion_available = True
     try:
-        gpt = GPTModel(config, get_gpt_layer_with_transformer_engine_spec(), vocab_size=cfg.vocab,
+        spec = get_gpt_layer_with_transformer_engine_spec(num_experts=cfg.experts or None,
+                                                          moe_grouped_gemm=bool(cfg.experts))
+        gpt = GPTModel(config, spec, vocab_size=cfg.vocab,
                        max_sequence_length=cfg.seq)
     finally:
         tp_layers._grad_accum_fusion_available = available

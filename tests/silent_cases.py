@@ -79,6 +79,9 @@ class Returns(Net):
             self.aux = nn.Linear(H, H)
 
     def forward(self, x):
+        if self.what == "source":  # the output is computed from the second (MoE router probabilities)
+            h = torch.tanh(self.lin1(x))
+            return self.lin2(self.drop(h)), h
         y = self.body(x)
         second = {"input": lambda: x, "input-view": lambda: x[..., : H // 2], "same": lambda: y,
                   "param-view": lambda: self.lin1.weight.t(), "sqrt": lambda: torch.sqrt(self.aux(x))}
@@ -423,6 +426,8 @@ GRADS = [
          build=nets(unused=True), opt="adamw"),
     Case("unused-output-nan", "grads", "ignores a second output whose backward would give NaN for a zero grad",
          build=nets(make=Returns, what="sqrt"), forward=first_outputs),
+    Case("unused-source-output", "grads", "ignores a second output that the first was computed from",
+         build=nets(make=Returns, what="source"), forward=first_outputs),
     Case("autograd-grad-input", "grads", "takes torch.autograd.grad(loss, x) (params' .grad untouched)",
          backward=lambda st, loss, leaf: st.log("dloss/dx", st.autograd_grad(loss, leaf)), opt="adamw"),
     Case("backward-inputs-x", "grads", "calls loss.backward(inputs=[x])",

@@ -224,6 +224,115 @@ def test_failed_graph_capture_leaves_process_usable():
     torch.cuda.synchronize()
 
 
+# -- host waits inside a graphed callable (issue 28) ----------------------------------------------
+def _event_wait(y):
+    event = torch.cuda.Event()
+    event.record()
+    event.synchronize()
+
+
+# What the forward does after its linear, and how the refusal names it: the waits te_graph
+# refuses before CUDA sees them by name; the implicit ones through CUDA's capture error.
+HOST_WAITS = {
+    "item": (lambda y: y.sum().item(), "an operation CUDA does not allow during capture"),
+    "cpu": (lambda y: y.cpu(), "an operation CUDA does not allow during capture"),
+    "tolist": (lambda y: y[0].tolist(), "an operation CUDA does not allow during capture"),
+    "nonzero": (lambda y: torch.nonzero(y > 0), "an operation CUDA does not allow during capture"),
+    "boolean-mask": (lambda y: y[y > 0], "an operation CUDA does not allow during capture"),
+    "event-synchronize": (_event_wait, "torch.cuda.Event.synchronize()"),
+    "stream-synchronize": (lambda y: torch.cuda.current_stream().synchronize(), "torch.cuda.Stream.synchronize()"),
+    "device-synchronize": (lambda y: torch.cuda.synchronize(), "torch.cuda.synchronize()"),
+}
+
+
+class Waits(nn.Module):
+    """A linear, dropout, then a host wait (``wait``), always or only outside a capture."""
+
+    def __init__(self, wait, guarded=False):
+        super().__init__()
+        self.lin, self.drop, self.wait, self.guarded = nn.Linear(4, 4, device="cuda"), nn.Dropout(0.5), wait, guarded
+
+    def forward(self, x):
+        y = self.drop(self.lin(x))
+        if not (self.guarded and torch.cuda.is_current_stream_capturing()):
+            self.wait(y)
+        return y
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", list(HOST_WAITS))
+def test_a_host_wait_is_refused_by_name_and_the_layer_then_trains_eagerly(kind):
+    from te_graph.host_sync import HostSyncError  # noqa: PLC0415
+
+    wait, op = HOST_WAITS[kind]
+    rng.model_parallel_cuda_manual_seed(4)
+    m = Waits(wait)
+    sample = (_x("cuda"),)
+    state = _State(m)
+    offset = torch.cuda.default_generators[torch.cuda.current_device()].get_offset()
+    with pytest.raises(HostSyncError) as refused:
+        make_graphed_callables(m, sample)
+    text = str(refused.value)
+    assert text.startswith(f"make_graphed_callables: callable 0 (Waits) waits for the GPU from the host while it "
+                           f"is captured: {op}"), text
+    assert re.search(r" at tests/test_errors\.py:\d+ \(`", text), text
+    assert "Graph the parts before and after it separately" in text and "were left as they were" in text
+    state.assert_unchanged()
+    assert torch.cuda.default_generators[torch.cuda.current_device()].get_offset() == offset
+    assert gc.isenabled()
+    # The layer trains eagerly, dropout included (the generators left capture mode).
+    m(_x("cuda")).sum().backward()
+    assert all(p.grad is not None for p in m.parameters())
+    good = make_graphed_callables(Lin("cuda"), (_x("cuda"),))
+    good(_x("cuda")).sum().backward()
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+def test_a_host_wait_skipped_while_capturing_is_not_refused():
+    """Code that skips its host read under capture graphs (and trains as eager)."""
+    rng.model_parallel_cuda_manual_seed(4)
+    eager, graphed = Waits(HOST_WAITS["item"][0], guarded=True), Waits(HOST_WAITS["item"][0], guarded=True)
+    graphed.load_state_dict(eager.state_dict())
+    make_graphed_callables(graphed, (_x("cuda"),))
+    x = _x("cuda")
+    for m in (eager, graphed):
+        rng.model_parallel_cuda_manual_seed(5)
+        m(x).sum().backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(eager.parameters(), graphed.parameters()))
+
+
+def test_host_waits_are_refused_on_the_capturing_thread_only():
+    """The refusal of named host waits, as a capture installs it: the wait raises before
+    CUDA sees it on the capturing thread, and other threads are not touched."""
+    import threading  # noqa: PLC0415
+
+    from te_graph.host_sync import HostSyncError, waits_refused  # noqa: PLC0415
+
+    original = torch.cuda.synchronize
+    seen = []
+
+    def other_thread():
+        try:
+            torch.cuda.synchronize()
+            seen.append("ran")
+        except HostSyncError:
+            seen.append("refused")
+        except Exception:  # no CUDA here: torch's own error, so the call went through
+            seen.append("ran")
+
+    with waits_refused("callable 0 (Net)"):
+        with pytest.raises(HostSyncError, match=re.escape(
+                "make_graphed_callables: callable 0 (Net) waits for the GPU from the host while it is captured: "
+                "torch.cuda.synchronize() at tests/test_errors.py:")):
+            torch.cuda.synchronize()
+        worker = threading.Thread(target=other_thread)
+        worker.start()
+        worker.join()
+    assert seen == ["ran"]
+    assert torch.cuda.synchronize is original
+
+
 # -- refused before anything changes: the module, its grads and buffers, the RNG ------------------
 class _State:
     """What a refused call must leave as it was."""

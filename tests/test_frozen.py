@@ -302,6 +302,27 @@ def test_an_output_without_gradient_among_several_is_refused():
         weighted_loss(y).backward()
 
 
+def test_an_output_without_gradient_that_another_was_computed_from_trains_as_eager():
+    """megatron-core's MoE layers, graphed up to token dispatch, return the router's
+    probabilities beside the permuted ones computed from them and use only the latter: the
+    zero gradient the graph takes for the former is added where the latter's arrives."""
+    class Source(Net):
+        def forward(self, x):
+            h = torch.tanh(self.lin1(x))
+            return self.lin2(self.drop(h)), h
+
+    torch.manual_seed(0)
+    eager, graphed = Source(), Source()
+    graphed.load_state_dict(eager.state_dict())
+    make_graphed_callables(graphed, (_x(),), eager_replay=True)
+    for step in range(2):
+        for m in (eager, graphed):
+            torch.manual_seed(step)
+            x = _x()
+            weighted_loss(m(x)[0]).backward()
+        assert all(torch.equal(a.grad, b.grad) for a, b in zip(eager.parameters(), graphed.parameters()))
+
+
 # -- call forms and keywords ---------------------------------------------------------------------
 def test_a_class_or_over_nested_samples_are_named_before_warmup():
     with pytest.raises(TypeError, match=re.escape(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 
@@ -43,19 +44,36 @@ SETUPS = {
                                                    "--overlap-grad-reduce", "1", "--overlap-param-gather", "1"],
 }
 
+# megatron-core's MoE layers (4 experts, top-2, TE grouped GEMM, alltoall dispatcher, aux loss).
+# Dropless routing brings the per-expert token counts to the host, so its graphs end before
+# token dispatch (the helper's partial scopes) and dispatch and the experts run eagerly; a
+# drop-and-pad layer (capacity factor 1) is graphed whole.
+MOE = ["--experts", "4", "--topk", "2", "--moe-ffn", "512", "--dropout", "0.1", "--fusion", "1"]
+PARTIAL = ["--graph-modules", "attn,moe_router,moe_preprocess"]
+SETUPS.update({
+    "moe-dropless-attn-router-preprocess": MOE + PARTIAL,
+    "moe-dropless-attn-router": MOE + ["--graph-modules", "attn,moe_router"],
+    "moe-dropless-fp8-delayed": MOE + PARTIAL + ["--fp8", "delayed"],
+    "moe-dropless-full-recompute": MOE + PARTIAL + ["--recompute", "full"],
+    "moe-drop-pad-whole-layer": MOE + ["--capacity", "1.0"],
+})
 
-def _run(tmp_path, setup: list[str]) -> dict:
-    out = tmp_path / "records.pt"
-    command = [sys.executable, "-m", "examples.megatron_gpt", "--graphs", "eager,te_graph,te_graph_replay",
+
+def _example(tmp_path, setup: list[str], graphs: str = "eager,te_graph,te_graph_replay") -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "examples.megatron_gpt", "--graphs", graphs,
                "--steps", "4", "--layers", "2", "--hidden", "256", "--heads", "4", "--seq", "128", *setup,
-               "--out", str(out)]
+               "--out", str(tmp_path / "records.pt")]
     env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
     env.pop("MASTER_PORT", None)
     if torch.cuda.is_available():
         env["CUDA_VISIBLE_DEVICES"] = str(torch.cuda.current_device())
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+
+
+def _run(tmp_path, setup: list[str]) -> dict:
+    done = _example(tmp_path, setup)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    return torch.load(out)
+    return torch.load(tmp_path / "records.pt")
 
 
 def _assert_same(got: dict, want: dict, what: str) -> None:
@@ -76,3 +94,15 @@ def test_megatron_helper_with_te_graph_trains_as_eager(tmp_path, setup):
     assert len(graphed["losses"]) == len(eager["losses"]) == 4
     _assert_same(graphed, eager, f"{setup}, te_graph's graphs")
     _assert_same(replay, eager, f"{setup}, te_graph's eager replay")
+
+
+def test_a_dropless_moe_layer_graphed_whole_is_refused_naming_the_host_wait(tmp_path):
+    """Dropless routing waits on the host for the per-expert token counts (the alltoall
+    dispatcher's event): graphed whole, the layer is refused by name, with the way out."""
+    done = _example(tmp_path, MOE, graphs="te_graph")
+    assert done.returncode != 0
+    assert re.search(
+        r"HostSyncError: make_graphed_callables: callable \d+ \(TransformerLayer\), microbatch \d+ waits for the "
+        r"GPU from the host while it is captured: torch\.cuda\.Event\.synchronize\(\) at \S*megatron/core/"
+        r"transformer/moe/token_dispatcher\.py:\d+ \(`self\.d2h_event\.synchronize\(\)`\)", done.stderr), done.stderr[-3000:]
+    assert "cuda_graph_modules=['attn', 'moe_router', 'moe_preprocess']" in done.stderr

@@ -30,6 +30,7 @@ made, so set ``recompute_granularity="full"`` (with ``recompute_method`` and
 """
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Any, Callable, Optional
 
@@ -55,10 +56,31 @@ def capturing() -> bool:
 def capture_entry(module: torch.nn.Module) -> Optional[Callable]:
     """What a megatron-core layer's ``__call__`` runs while Megatron's capture flag is set
     (``GraphableMegatronModule._te_cuda_graph_capture``: the layer's captured part, returning
-    ``(hidden_states,)``), or None where that does not apply. Calling that function rather
-    than ``__call__`` keeps eager replay from routing a call back to the replay."""
+    ``(hidden_states,)`` or, for a partial scope, the tensors the rest of the layer resumes
+    from), or None where that does not apply. Calling that function rather than ``__call__``
+    keeps eager replay from routing a call back to the replay.
+
+    The function returned sets Megatron's capture flag while it runs, where it is not set
+    already: the code a graph holds ran under that flag (MoE layers return early after the
+    router or the dispatch preprocessing when ``cuda_graph_modules`` says so; DDP's pre-hooks
+    step aside), so eager replay, which runs the function at every call, must run it
+    under the flag too to take the same path."""
     route = getattr(module, "_te_cuda_graph_capture", None)
-    return route if route is not None and capturing() else None
+    if route is None or not capturing():
+        return None
+
+    @functools.wraps(route)
+    def as_captured(*args: Any, **kwargs: Any) -> Any:
+        if capturing():
+            return route(*args, **kwargs)
+        graphs = _loaded(_CUDA_GRAPHS)
+        graphs._set_capture_start()
+        try:
+            return route(*args, **kwargs)
+        finally:
+            graphs._set_capture_end()
+
+    return as_captured
 
 
 def hooks_run_by_hand(layer: torch.nn.Module) -> frozenset:
