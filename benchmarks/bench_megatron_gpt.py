@@ -12,36 +12,22 @@ steps, footprint = ``max_memory_reserved()`` over those steps after ``empty_cach
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
 import sys
-import tempfile
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from _megatron_run import run_example, save
 
 ROWS = ("eager", "te", "te_graph")  # "te": TE's graphs in the helper, captured thread_local (examples/megatron_gpt.py)
 
 
 def _run(graphs: str, precision: str, dropout: float, fusion: int, args: argparse.Namespace) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "record.pt")
-        command = [sys.executable, "-m", "examples.megatron_gpt", "--graphs", graphs, "--steps", str(args.steps),
-                   "--warmup-steps", "2", "--dropout", str(dropout), "--fp8", "" if precision == "bf16" else precision,
-                   "--layers", str(args.layers), "--hidden", str(args.hidden), "--heads", str(args.heads),
-                   "--seq", str(args.seq), "--micro-batch", str(args.micro_batch),
-                   "--microbatches", str(args.microbatches), "--fusion", str(fusion), "--out", out]
-        done = subprocess.run(command, cwd=_ROOT, capture_output=True, text=True, timeout=args.timeout)
-        if done.returncode != 0:
-            lines = (done.stdout + done.stderr).strip().splitlines()
-            errors = [line for line in lines if "Error" in line] or lines[-3:]
-            return {"error": " | ".join(errors[-3:])}
-        import torch  # noqa: PLC0415
-
-        from examples.megatron_gpt import timing  # noqa: PLC0415
-
-        record = torch.load(out)[graphs]
-        return {"ms": timing(record), "footprint_mib": record["footprint_mib"], "capture_s": record.get("capture_s")}
+    record = run_example(graphs, [
+        "--steps", str(args.steps), "--warmup-steps", "2", "--dropout", str(dropout),
+        "--fp8", "" if precision == "bf16" else precision, "--layers", str(args.layers), "--hidden", str(args.hidden),
+        "--heads", str(args.heads), "--seq", str(args.seq), "--micro-batch", str(args.micro_batch),
+        "--microbatches", str(args.microbatches), "--fusion", str(fusion)], args.timeout)
+    if "error" in record:
+        return record
+    return {"ms": record["ms"], "footprint_mib": record["footprint_mib"], "capture_s": record.get("capture_s")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,7 +46,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=int, default=600)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    sys.path.insert(0, _ROOT)
     results = []
     print(f"GPTModel (TE spec) {args.layers} layers, h {args.hidden}, s {args.seq}, micro-batch {args.micro_batch}, "
           f"{args.microbatches} microbatches; ms per step (median), footprint MiB")
@@ -77,9 +62,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{g}: {r['ms']:.2f} ms / {r['footprint_mib']:.0f} MiB" if "ms" in r
                     else f"{g}: failed ({r['error'][:160]})" for g, r in line.items())
                 print(f"{precision:8} dropout {dropout} fusion {fusion}: {shown}", flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+    save(args.out, results)
     return 0
 
 

@@ -64,6 +64,10 @@ class RunConfig:
     # The helper's cuda_graph_modules, comma-separated ("": the whole layer), for example
     # "attn,moe_router,moe_preprocess": the graphs end before token dispatch, which runs eagerly.
     graph_modules: str = ""
+    count_dropped: bool = False  # record the share of token assignments the routers drop (sync points)
+    # Dropless experts in graphs (te_graph rows): token capacities per expert, as multiples of
+    # the even share (comma-separated, e.g. "1.25,1.5,2"); "": the experts run eagerly.
+    buckets: str = ""
     # "eager", "te_graph" (the helper, te_graph's graphs), "te_graph_replay" (te_graph's eager
     # replay) or "te" (the helper, Transformer Engine's graphs)
     graphs: str = "te_graph"
@@ -212,6 +216,8 @@ def train(cfg: RunConfig) -> dict:
     step_fn = get_forward_backward_func()
     data = _batches(cfg)
     record: dict = {"losses": [], "main_grads": [], "weights": [], "step_ms": [], "config": asdict(cfg)}
+    routed = _count_routed() if cfg.experts and cfg.count_dropped else None
+    dropless: list = []
     for step in range(cfg.steps):
         if helper is not None and step == cfg.warmup_steps:
             started = time.perf_counter()
@@ -223,6 +229,12 @@ def train(cfg: RunConfig) -> dict:
                     model[0].disable_forward_pre_hook(param_sync=False)
                 with _thread_local_capture() if cfg.graphs == "te" else contextlib.nullcontext():
                     helper.create_cudagraphs()
+                if cfg.buckets and cfg.graphs != "te":
+                    from te_graph.integrations.moe_experts import capacities_for, graph_dropless_experts  # noqa: PLC0415
+
+                    capacities = capacities_for(cfg.seq * cfg.micro_batch, cfg.topk, cfg.experts,
+                                                [float(f) for f in cfg.buckets.split(",")])
+                    dropless = graph_dropless_experts(model[0], capacities)
                 if cfg.overlap_param_gather:
                     model[0].enable_forward_pre_hook()
                     helper.cuda_graph_set_manual_hooks()  # DDP's pre-hooks, run before each replay
@@ -266,11 +278,47 @@ def train(cfg: RunConfig) -> dict:
         del main_grads
         record["weights"].append([p.detach().cpu().clone() for p in params])
     record["footprint_mib"] = torch.cuda.max_memory_reserved() / 2**20
+    if routed is not None:
+        record["tokens_dropped"] = routed.dropped_fraction()
+        routed.remove()
+    if dropless:
+        record["expert_calls"] = {"graphed": {c: sum(d.calls[c] for d in dropless) for c in dropless[0].capacities},
+                                  "eager": sum(d.eager_calls for d in dropless)}
+        for d in dropless:
+            d.remove()
     if helper is not None:
         helper.delete_cuda_graphs()
     te_graph.reset()
     integration.disable()
     return record
+
+
+class _count_routed:
+    """The share of (token, expert) assignments the routers drop (drop-and-pad beyond the
+    capacity): what top-k routing chose against what megatron-core's
+    ``apply_router_token_dropping`` kept (padding it adds is not a choice), over the eager
+    calls of the run (counts are sync points: for a counting run only)."""
+
+    def __init__(self):
+        from megatron.core.transformer.moe import router  # noqa: PLC0415
+
+        self.router, self.original = router, router.apply_router_token_dropping
+        self.chosen, self.dropped = 0, 0
+
+        def counted(probs: torch.Tensor, routing_map: torch.Tensor, *args: Any, **kwargs: Any) -> tuple:
+            probs, kept = self.original(probs, routing_map, *args, **kwargs)
+            if not torch.cuda.is_current_stream_capturing():
+                self.chosen += int(routing_map.sum())
+                self.dropped += int((routing_map & ~kept).sum())
+            return probs, kept
+
+        router.apply_router_token_dropping = counted
+
+    def dropped_fraction(self) -> float:
+        return self.dropped / self.chosen if self.chosen else 0.0
+
+    def remove(self) -> None:
+        self.router.apply_router_token_dropping = self.original
 
 
 @contextlib.contextmanager

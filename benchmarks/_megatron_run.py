@@ -1,0 +1,41 @@
+"""One run of ``examples/megatron_gpt.py`` in a fresh process, as the Megatron benchmarks
+take it: TE's graphs are not freed by the helper's ``delete_cuda_graphs()`` and a failed TE
+capture can leave its generator in capture mode, so no two rows share a process."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_example(graphs: str, arguments: list[str], timeout: int) -> dict:
+    """The run's record for ``graphs`` (``examples.megatron_gpt.train``), with ``ms`` (the
+    median graphed step); or ``{"error": ...}`` with the run's last error lines."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "record.pt")
+        command = [sys.executable, "-m", "examples.megatron_gpt", "--graphs", graphs, *arguments, "--out", out]
+        done = subprocess.run(command, cwd=_ROOT, capture_output=True, text=True, timeout=timeout)
+        if done.returncode != 0:
+            lines = (done.stdout + done.stderr).strip().splitlines()
+            errors = [line for line in lines if "Error" in line] or lines[-3:]
+            return {"error": " | ".join(errors[-3:])}
+        import torch  # noqa: PLC0415
+
+        if _ROOT not in sys.path:
+            sys.path.insert(0, _ROOT)
+        from examples.megatron_gpt import timing  # noqa: PLC0415
+
+        record = torch.load(out)[graphs]
+        return {**record, "ms": timing(record)}
+
+
+def save(path: str | None, results: list) -> None:
+    """Write the rows so far as JSON (rewritten after each row: a run killed half-way keeps them)."""
+    if path:
+        import json  # noqa: PLC0415
+
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1)

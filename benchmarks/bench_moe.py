@@ -1,0 +1,113 @@
+"""megatron-core MoE layers, timed side by side: eager, te_graph and Transformer Engine's graphs
+through Megatron's own helper (``TECudaGraphHelper``), dropless and drop-and-pad.
+
+GPTModel (TE spec) whose every MLP is megatron-core's ``MoELayer`` (TE grouped GEMM, alltoall
+dispatcher, aux-loss load balancing), trained through Megatron's schedule and DDP
+(``examples/megatron_gpt.py``). Rows:
+
+* ``eager``: dropless routing, no graphs.
+* ``te_graph partial`` / ``TE partial``: dropless; each layer graphed up to token dispatch
+  (``cuda_graph_modules=["attn", "moe_router", "moe_preprocess"]``, Megatron's per-layer
+  scheme for dropless MoE); dispatch, the routed experts and the combine run eagerly.
+* ``te_graph buckets``: as ``te_graph partial``, and the routed experts in graphs too, one per
+  token capacity (1, 1.25, 1.5 and 2 times the even share per expert; a call beyond runs
+  eagerly): ``te_graph.integrations.moe_experts``. Dropless: nothing is dropped.
+  ``te_graph buckets 4x`` adds 3 and 4 times (with top-2 of 8 experts, 4 times the even
+  share is every token: no call runs eagerly), for a larger pool.
+* ``eager drop-pad`` / ``te_graph drop-pad`` / ``TE drop-pad``: drop-and-pad routing at
+  capacity factor 1 (tokens beyond an expert's capacity are dropped), graphed whole: the
+  reference a dropless graph is measured against, and the share of token assignments it drops.
+
+Each row runs in a fresh process. Median ms per train step over the graphed steps,
+footprint = ``max_memory_reserved()`` over those steps after ``empty_cache()``, capture
+seconds, and the share of (token, expert) assignments dropped (from an eager run of the
+drop-and-pad setup; 0 for dropless routing)::
+
+    python benchmarks/bench_moe.py --precisions bf16,delayed --steps 12 --out /tmp/moe.json
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from _megatron_run import run_example, save
+
+_PARTIAL = ["--graph-modules", "attn,moe_router,moe_preprocess"]
+_DROP_PAD = ["--capacity", "1.0"]
+# row -> (examples.megatron_gpt --graphs, extra arguments)
+ROWS = {
+    "eager": ("eager", []),
+    "te_graph partial": ("te_graph", _PARTIAL),
+    "TE partial": ("te", _PARTIAL),
+    "te_graph buckets": ("te_graph", _PARTIAL + ["--buckets", "1.0,1.25,1.5,2.0"]),
+    "te_graph buckets 4x": ("te_graph", _PARTIAL + ["--buckets", "1.0,1.25,1.5,2.0,3.0,4.0"]),
+    "eager drop-pad": ("eager", _DROP_PAD),
+    "te_graph drop-pad": ("te_graph", _DROP_PAD),
+    "TE drop-pad": ("te", _DROP_PAD),
+}
+
+
+def _run(graphs: str, extra: list[str], precision: str, args: argparse.Namespace, steps: int) -> dict:
+    record = run_example(graphs, [
+        "--steps", str(steps), "--warmup-steps", "2", "--dropout", str(args.dropout),
+        "--fp8", "" if precision == "bf16" else precision, "--layers", str(args.layers), "--hidden", str(args.hidden),
+        "--heads", str(args.heads), "--seq", str(args.seq), "--micro-batch", str(args.micro_batch),
+        "--microbatches", str(args.microbatches), "--experts", str(args.experts), "--topk", str(args.topk),
+        "--moe-ffn", str(args.moe_ffn), "--fusion", "1", *extra], args.timeout)
+    if "error" in record:
+        return record
+    return {"ms": record["ms"], "footprint_mib": record["footprint_mib"], "capture_s": record.get("capture_s"),
+            "tokens_dropped": record.get("tokens_dropped"), "expert_calls": record.get("expert_calls")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--precisions", default="bf16,delayed", help="bf16, delayed, tensorwise (comma-separated)")
+    p.add_argument("--rows", default=",".join(ROWS), help="comma-separated, from: " + ", ".join(ROWS))
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--microbatches", type=int, default=2)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--topk", type=int, default=2)
+    p.add_argument("--moe-ffn", type=int, default=2816)
+    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--timeout", type=int, default=600)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    rows = args.rows.split(",")
+    unknown = [r for r in rows if r not in ROWS]
+    if unknown:
+        p.error(f"unknown rows {unknown}; choose from {list(ROWS)}")
+    print(f"GPTModel (TE spec), {args.layers} MoE layers: {args.experts} experts, top-{args.topk}, h {args.hidden}, "
+          f"expert ffn {args.moe_ffn}, s {args.seq}, micro-batch {args.micro_batch}, {args.microbatches} microbatches, "
+          f"dropout {args.dropout}; ms per step (median), footprint MiB, capture s, token assignments dropped")
+    results = []
+    for precision in args.precisions.split(","):
+        dropped = None
+        if any(ROWS[r][1] == _DROP_PAD for r in rows):
+            # The share drop-and-pad drops, from eager steps (a sync point per router call).
+            counted = _run("eager", _DROP_PAD + ["--count-dropped", "1"], precision, args, steps=3)
+            dropped = counted.get("tokens_dropped")
+        for row in rows:
+            graphs, extra = ROWS[row]
+            result = _run(graphs, extra, precision, args, args.steps)
+            if "ms" in result:
+                result["tokens_dropped"] = dropped if extra == _DROP_PAD else 0.0
+            results.append({"precision": precision, "row": row, **result})
+            if "ms" in result:
+                share = "?" if result["tokens_dropped"] is None else f"{100 * result['tokens_dropped']:.1f} %"
+                calls = f"  expert calls {result['expert_calls']}" if result.get("expert_calls") else ""
+                print(f"{precision:9} {row:18} {result['ms']:8.2f} ms  {result['footprint_mib']:7.0f} MiB  "
+                      f"capture {result['capture_s'] or 0:5.2f} s  dropped {share}{calls}", flush=True)
+            else:
+                print(f"{precision:9} {row:18} failed: {result['error'][:300]}", flush=True)
+            save(args.out, results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,191 @@
+"""Dropless mixture-of-experts experts inside graphs: one graph per token capacity.
+
+With dropless routing, how many tokens each expert gets is known only after routing, on the
+host (megatron-core's dispatcher brings the counts there), so the experts' computation has no
+static shape, and peers run it eagerly or drop tokens beyond a fixed capacity. Here it is
+captured for a few token capacities instead: per expert ``C`` rows, the real tokens first and
+zero rows after them (largest capacity first, one pool per layer). At each call the counts pick the
+smallest capacity that holds every expert's tokens; the tokens are laid out ``C`` rows per
+expert, that graph replays and the real rows are gathered back. No token is ever dropped:
+above the largest capacity, and outside training, the experts run eagerly as before.
+
+Numerics: a call equals te_graph's eager replay of the same program bitwise (the padded
+layout, run without graphs). Against the unpadded eager experts, the real rows see other GEMM
+shapes (``C`` rows per expert instead of the count), so cuBLAS may pick other kernels and
+round differently; benchmarks/bench_moe.py and tests/test_megatron_path.py report by how much.
+
+The experts module keeps its identity, parameters and names: only its ``forward`` is
+replaced on the instance, and :meth:`DroplessExperts.remove` puts it back.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+__all__ = ["DroplessExperts", "graph_dropless_experts", "capacities_for"]
+
+_ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
+
+
+class _Padded(torch.nn.Module):
+    """The experts on a padded layout: ``hidden`` holds ``C`` rows per local expert."""
+
+    def __init__(self, experts: torch.nn.Module, forward: Callable, num_experts: int):
+        super().__init__()
+        self.experts = experts
+        self._forward = forward  # the class's forward, bound (the instance's is replaced)
+        self.num_experts = num_experts
+
+    def forward(self, hidden: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        capacity = hidden.shape[0] // self.num_experts
+        counts = torch.full((self.num_experts,), capacity, dtype=torch.long)  # on the host, as dispatch gives it
+        output, bias = self._forward(hidden, counts, probs)
+        if bias is not None:
+            raise ValueError("te_graph.graph_dropless_experts: the experts return a bias; only experts without "
+                             "one (add_bias_linear=False, as megatron-core's alltoall dispatcher requires) are graphed.")
+        return output
+
+
+class DroplessExperts:
+    """What :func:`graph_dropless_experts` installed on one experts module: its forward, and
+    the count of calls served by each capacity's graph and eagerly."""
+
+    def __init__(self, experts: torch.nn.Module, graphed: torch.nn.Module, capacities: Sequence[int],
+                 num_experts: int, dtypes: tuple):
+        self.experts = experts
+        self.graphed = graphed
+        self.capacities = tuple(sorted(capacities))
+        self.num_experts = num_experts
+        self.dtypes = dtypes  # (tokens, probabilities) as captured
+        self.calls = {c: 0 for c in self.capacities}
+        self.eager_calls = 0
+        self._original = experts.__dict__.get("forward")  # an instance forward there before, if any
+        experts.forward = self.forward
+
+    def forward(self, hidden: torch.Tensor, tokens_per_expert: Any, probs: torch.Tensor, **kwargs: Any) -> tuple:
+        counts = tokens_per_expert.tolist() if isinstance(tokens_per_expert, torch.Tensor) else list(tokens_per_expert)
+        largest = max(counts) if counts else 0
+        capacity = next((c for c in self.capacities if c >= largest), None)
+        if capacity is None or kwargs or not self.experts.training:
+            self.eager_calls += 1
+            return self._eager(hidden, tokens_per_expert, probs, **kwargs)
+        if (hidden.dtype, probs.dtype) != self.dtypes:
+            raise ValueError(
+                f"te_graph.graph_dropless_experts: the experts got tokens in {hidden.dtype} and routing "
+                f"probabilities in {probs.dtype}, but their graphs were captured for {self.dtypes[0]} and "
+                f"{self.dtypes[1]}: pass probs_dtype={probs.dtype} to graph_dropless_experts (the "
+                "probabilities' dtype is megatron-core's moe_router_dtype where set).")
+        self.calls[capacity] += 1
+        # Row of each token in the padded layout: expert e's i-th token goes to e * C + i.
+        rows = torch.cat([torch.arange(c, dtype=torch.long) + e * capacity for e, c in enumerate(counts)])
+        rows = rows.to(hidden.device, non_blocking=True)
+        padded = hidden.new_zeros(self.num_experts * capacity, hidden.shape[-1]).index_copy(0, rows, hidden)
+        padded_probs = probs.new_zeros(self.num_experts * capacity, *probs.shape[1:]).index_copy(0, rows, probs)
+        output = self.graphed(padded, padded_probs)
+        return output.index_select(0, rows), None
+
+    def _eager(self, *args: Any, **kwargs: Any) -> Any:
+        if self._original is not None:
+            return self._original(*args, **kwargs)
+        return type(self.experts).forward(self.experts, *args, **kwargs)
+
+    def remove(self) -> None:
+        """Put the experts' own forward back and free the graphs."""
+        import te_graph  # noqa: PLC0415
+
+        if self._original is None:
+            self.experts.__dict__.pop("forward", None)
+        else:
+            self.experts.forward = self._original
+        te_graph.reset(self.graphed)
+
+
+def capacities_for(tokens: int, topk: int, num_experts: int, factors: Sequence[float], multiple: int = 16) -> list[int]:
+    """Token capacities per expert, ``factor`` times the even share ``tokens * topk /
+    num_experts`` each, rounded up to ``multiple`` rows (FP8 GEMMs need 16), at most every
+    assignment on one expert."""
+    even = tokens * topk / num_experts
+    return sorted({min(tokens * topk, multiple * math.ceil(f * even / multiple)) for f in factors})
+
+
+def graph_dropless_experts(
+    model: torch.nn.Module,
+    capacities: Sequence[int],
+    *,
+    probs_dtype: Optional[torch.dtype] = None,
+    eager_replay: Optional[bool] = None,
+    **graph_options: Any,
+) -> list[DroplessExperts]:
+    """Graph the routed experts of every megatron-core ``MoELayer`` in ``model`` for the
+    token ``capacities`` (rows per local expert; see :func:`capacities_for`); the graphs of
+    one layer share a pool (one capacity is in flight at a time), each layer has its own.
+    Call it outside a training step, on a model in training mode; ``graph_options`` go to
+    ``make_graphed_callables`` (``num_warmup_iters``; for a layer trained in FP8, the FP8
+    arguments default to the ones megatron-core's helper passes). ``probs_dtype``: the
+    routing probabilities' dtype, by default megatron-core's ``moe_router_dtype`` where set,
+    else the parameters' dtype.
+    Returns one :class:`DroplessExperts` per layer (``remove()`` undoes it)."""
+    import te_graph  # noqa: PLC0415
+
+    if not capacities or any(int(c) <= 0 for c in capacities):
+        raise ValueError(f"te_graph.graph_dropless_experts: capacities must be positive row counts, got {list(capacities)}.")
+    layers = [m for m in model.modules() if hasattr(m, "experts") and hasattr(m, "token_dispatcher")]
+    if not layers:
+        raise ValueError("te_graph.graph_dropless_experts: the model holds no megatron-core MoELayer (a module "
+                         "with .experts and .token_dispatcher).")
+    if "pool" in graph_options:
+        raise ValueError("te_graph.graph_dropless_experts: each layer's experts get a pool of their own (their "
+                         "graphs replay in another order than they would be captured in across layers); leave "
+                         "pool= unset.")
+    fp8 = [_fp8_options(layer.config) for layer in layers]  # refusals first, before anything is graphed
+    installed = []
+    for layer, fp8_options in zip(layers, fp8):
+        experts = layer.experts
+        if isinstance(getattr(experts.forward, "__self__", None), DroplessExperts):
+            raise ValueError("te_graph.graph_dropless_experts: these experts are graphed already; remove() first.")
+        num_experts = getattr(experts, "num_local_experts", None)
+        hidden_size = layer.config.hidden_size
+        params = [p for p in experts.parameters()]
+        if num_experts is None or not params:
+            raise ValueError(f"te_graph.graph_dropless_experts: {type(experts).__name__} is not a megatron-core "
+                             "experts module (no num_local_experts or no parameters).")
+        device, dtype = params[0].device, layer.config.params_dtype
+        # The router computes in moe_router_dtype where set, else in the activations' dtype,
+        # and dispatch permutes its probabilities as they are.
+        probs = probs_dtype or _ROUTER_DTYPES.get(getattr(layer.config, "moe_router_dtype", None), dtype)
+        padded = _Padded(experts, type(experts).forward.__get__(experts), num_experts)
+
+        def sample(capacity: int) -> tuple:
+            rows = num_experts * capacity
+            return (torch.zeros(rows, hidden_size, device=device, dtype=dtype, requires_grad=True),
+                    torch.zeros(rows, device=device, dtype=probs, requires_grad=True))
+
+        largest_first = sorted((int(c) for c in capacities), reverse=True)
+        graphed = te_graph.make_graphed_callables(
+            padded, sample(largest_first[0]), more_shapes=[sample(c) for c in largest_first[1:]],
+            eager_replay=eager_replay, **{**fp8_options, **graph_options})
+        installed.append(DroplessExperts(experts, graphed, largest_first, num_experts, (dtype, probs)))
+    return installed
+
+
+def _fp8_options(config: Any) -> dict:
+    """The FP8 arguments megatron-core's helper gives its graphs, for a layer trained in FP8
+    (``config.fp8``): the experts run inside Megatron's FP8 autocast, so their graphs are
+    captured in one with the same recipe."""
+    if not getattr(config, "fp8", None):
+        return {}
+    from megatron.core.fp8_utils import get_fp8_recipe  # noqa: PLC0415
+
+    recipe = get_fp8_recipe(config)
+    if getattr(recipe, "delayed", lambda: False)():
+        # Measured on an H100 (TE 2.20, megatron-core 0.19.2, tests/test_megatron_path.py):
+        # the capacity graphs drift from their eager replay two steps after graphing under
+        # delayed scaling; until that is understood, refuse rather than train differently.
+        raise ValueError(
+            "te_graph.graph_dropless_experts: FP8 delayed scaling (fp8_recipe='delayed') is not supported for "
+            "experts graphed per token capacity yet: their graphs were measured to drift from eager replay "
+            "two steps after graphing. Use a current-scaling recipe (fp8_recipe='tensorwise'), bf16, or leave "
+            "the experts eager (the layer's partial graphs support delayed scaling).")
+    return {"fp8_enabled": True, "fp8_recipe": recipe}

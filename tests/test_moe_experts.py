@@ -1,0 +1,111 @@
+"""Dropless MoE experts in graphs, one per token capacity (``te_graph.integrations.moe_experts``).
+
+On the CPU, through eager replay (the same wrapper without graphs), with experts laid out as
+megatron-core's are called (``experts(hidden, tokens_per_expert, probs) -> (out, bias)``): each
+call goes to the smallest capacity that holds every expert's tokens or, above the largest,
+eagerly; no token is dropped; outputs and gradients match the experts run unpadded. The
+graphs themselves, on megatron-core's TE grouped-GEMM experts, are in tests/test_megatron_path.py.
+"""
+from __future__ import annotations
+
+import re
+import types
+
+import pytest
+import torch
+from torch import nn
+
+from te_graph.integrations.moe_experts import capacities_for, graph_dropless_experts
+
+H, E = 8, 4
+
+
+class Experts(nn.Module):
+    """One linear per expert, then times the token's routing probability."""
+
+    def __init__(self):
+        super().__init__()
+        self.num_local_experts = E
+        self.fc = nn.ModuleList(nn.Linear(H, H, bias=False, dtype=torch.float64) for _ in range(E))
+
+    def forward(self, hidden, tokens_per_expert, probs):
+        chunks = torch.split(hidden, tokens_per_expert.tolist())
+        out = torch.cat([torch.tanh(fc(x)) for fc, x in zip(self.fc, chunks)])
+        return out * probs.unsqueeze(-1), None
+
+
+class Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.experts = Experts()
+        self.token_dispatcher = object()
+        self.config = types.SimpleNamespace(hidden_size=H, params_dtype=torch.float64)
+
+
+def _call(experts, counts, seed):
+    g = torch.Generator().manual_seed(seed)
+    total = sum(counts)
+    hidden = torch.randn(total, H, dtype=torch.float64, generator=g, requires_grad=True)
+    probs = torch.rand(total, dtype=torch.float64, generator=g, requires_grad=True)
+    out, bias = experts(hidden, torch.tensor(counts), probs)
+    (out * torch.linspace(-1, 1, out.numel(), dtype=torch.float64).view_as(out)).sum().backward()
+    return out.detach(), hidden.grad, probs.grad, [p.grad.clone() for p in experts.parameters()]
+
+
+def test_capacities_are_multiples_of_the_even_share_rounded_up_to_16_rows():
+    assert capacities_for(2048, 2, 8, [1.0, 1.25, 2.0]) == [512, 640, 1024]
+    assert capacities_for(100, 2, 8, [1.1]) == [32]
+    assert capacities_for(10, 1, 2, [4.0]) == [10]  # never more than every assignment on one expert
+
+
+def test_each_call_takes_the_smallest_capacity_that_holds_it_and_trains_as_unpadded():
+    torch.manual_seed(0)
+    eager, graphed = Layer(), Layer()
+    graphed.load_state_dict(eager.state_dict())
+    installed = graph_dropless_experts(graphed, [16, 8], probs_dtype=torch.float64, eager_replay=True)
+    assert [d.capacities for d in installed] == [(8, 16)]
+    for seed, counts in enumerate([[3, 8, 0, 5], [9, 2, 2, 16], [17, 1, 1, 1], [0, 0, 0, 1]]):
+        for p in list(eager.parameters()) + list(graphed.parameters()):
+            p.grad = None
+        want = _call(eager.experts, counts, seed)
+        got = _call(graphed.experts, counts, seed)
+        for a, b in zip(want[:3], got[:3]):
+            torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
+        for a, b in zip(want[3], got[3]):
+            torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
+    d = installed[0]
+    assert d.calls == {8: 2, 16: 1} and d.eager_calls == 1
+    # Outside training the experts run as they were.
+    graphed.eval()
+    _call(graphed.experts, [1, 2, 3, 4], 9)
+    assert d.eager_calls == 2
+    d.remove()
+    assert "forward" not in graphed.experts.__dict__
+
+
+def test_bad_requests_are_refused_before_anything_changes():
+    layer = Layer()
+    with pytest.raises(ValueError, match=re.escape(
+            "te_graph.graph_dropless_experts: capacities must be positive row counts, got [0].")):
+        graph_dropless_experts(layer, [0], eager_replay=True)
+    with pytest.raises(ValueError, match=re.escape(
+            "te_graph.graph_dropless_experts: the model holds no megatron-core MoELayer")):
+        graph_dropless_experts(nn.Linear(2, 2), [8], eager_replay=True)
+    with pytest.raises(ValueError, match=re.escape(
+            "te_graph.graph_dropless_experts: each layer's experts get a pool of their own")):
+        graph_dropless_experts(layer, [8], eager_replay=True, pool=object())
+    assert "forward" not in layer.experts.__dict__
+    graph_dropless_experts(layer, [8], probs_dtype=torch.float64, eager_replay=True)
+    with pytest.raises(ValueError, match=re.escape("these experts are graphed already; remove() first.")):
+        graph_dropless_experts(layer, [8], probs_dtype=torch.float64, eager_replay=True)
+
+
+def test_probabilities_of_another_dtype_than_captured_are_refused_at_the_call():
+    layer = Layer()
+    graph_dropless_experts(layer, [8], eager_replay=True)  # the parameters' dtype: float64
+    hidden = torch.randn(3, H, dtype=torch.float64)
+    with pytest.raises(ValueError, match=re.escape(
+            "te_graph.graph_dropless_experts: the experts got tokens in torch.float64 and routing probabilities "
+            "in torch.float32, but their graphs were captured for torch.float64 and torch.float64: pass "
+            "probs_dtype=torch.float32 to graph_dropless_experts")):
+        layer.experts(hidden, torch.tensor([1, 1, 1, 0]), torch.rand(3))
