@@ -32,7 +32,9 @@ _OUTSIDE_TE_GRAPH = (
 )
 
 
-def _cuda_capturing() -> bool:
+def cuda_stream_capturing() -> bool:
+    """Whether this thread's current CUDA stream is capturing (False without CUDA, where
+    torch's own test raises)."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
@@ -69,7 +71,7 @@ class RecomputeState:
         """Context for the checkpointed forward."""
         hook = CAPTURE_HOOK.get()
         if hook is None:
-            if _cuda_capturing():
+            if cuda_stream_capturing():
                 raise RuntimeError(_OUTSIDE_TE_GRAPH)
             self.snapshot = rng.snapshot_streams(self.tracker)
             with self.te_fp8.forward():

@@ -20,6 +20,15 @@ latter, DDP's forward pre-hooks are turned off around capture and the helper run
 hand before each replay, as Megatron-LM's ``training.py`` does. The output layer is
 Megatron's ``ColumnParallelLinear``, whose fused weight-gradient kernel needs NVIDIA apex:
 it is built with fusion off (``gradient_accumulation_fusion`` stays on for every TE layer).
+
+``--experts N`` makes every MLP megatron-core's ``MoELayer`` (TE grouped GEMM, alltoall
+dispatcher; dropless, or drop-and-pad with ``--capacity``); ``--graph-modules`` is the
+helper's ``cuda_graph_modules`` (``attn,moe_router,moe_preprocess`` graphs each layer up to
+token dispatch, which dropless routing needs); ``--buckets`` also graphs the dropless experts,
+one graph per token capacity (``te_graph.integrations.moe_experts``)::
+
+    python -m examples.megatron_gpt --graphs eager,te_graph --experts 4 \
+        --graph-modules attn,moe_router,moe_preprocess --buckets 1.0,1.25,1.5,2
 """
 from __future__ import annotations
 

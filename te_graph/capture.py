@@ -336,6 +336,7 @@ def _record(spec: GraphSpec, forward: _Forward, bwd_graph, grad_outputs, grad_in
         fp8=fp8_replay(spec.fp8, options.fp8, warmup.te_modules, spec.has_te, graphs=True),
         wgrad=wgrad,
         fused_params=tuple(spec.params[i] for i in sorted(warmup.fused_params)),
+        fed=warmup.fed,
     )
 
 

@@ -11,7 +11,9 @@ stream"). So, while each graph is captured:
 * the host waits torch's synchronisation hooks miss (``torch.cuda.Event.synchronize``,
   ``torch.cuda.synchronize``, ``torch.accelerator.synchronize``; and
   ``torch.cuda.Stream.synchronize``, to name it) raise :class:`HostSyncError` before CUDA
-  sees them, on the capturing thread only (other threads are not touched);
+  sees them where the current stream captures (the capturing thread, and autograd's worker
+  while it runs a captured backward; other threads are not touched), and a refusal the
+  callable caught is raised again when the capture ends;
 * CUDA's own capture errors (from ``.item()`` and the other implicit waits) become a
   :class:`HostSyncError` that names the line.
 
@@ -24,6 +26,7 @@ during the capture), so it is left alone. Eager replay captures nothing and refu
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import os
 import threading
@@ -31,6 +34,8 @@ import traceback
 from typing import Any, Callable, Iterator, Optional
 
 import torch
+
+from checkpointing.recompute_state import cuda_stream_capturing
 
 __all__ = ["HostSyncError", "waits_refused", "refusal_of"]
 
@@ -46,6 +51,11 @@ _WAITS = (
     ("torch.cuda", "synchronize", "torch.cuda.synchronize()"),
     ("torch.accelerator", "synchronize", "torch.accelerator.synchronize()"),
 )
+# CUDA's stream-capture errors (cudaErrorStreamCaptureUnsupported, cudaErrorCapturedEvent,
+# cudaErrorStreamCaptureInvalidated) and torch's refusal of a copy to host memory that is not
+# pinned during capture: what an implicit host wait raises inside a capture. Other errors
+# that mention capture (a generator's seed read, say) are not host waits and pass unchanged.
+_CAPTURE_ERRORS = ("stream is capturing", "capturing stream", "during capture", "unless the CPU tensor is pinned")
 # Where a frame is library code rather than the line that waits: torch, te_graph and its
 # siblings, and the standard library's wrappers.
 _LIBRARIES = (os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,) + tuple(
@@ -55,24 +65,74 @@ _LIBRARIES = (os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,) + tupl
 _WRAPPERS = frozenset(os.path.abspath(m.__file__) for m in (contextlib, functools))
 
 
+class _Refusals:
+    """The one owner of the patched waits: installed while any capture window is open
+    (counted, so overlapping windows of several threads neither stack patches nor take
+    them away early), and the refusals they raised, so that a window whose body caught one
+    and went on is refused when it closes."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.windows = 0
+        self.replaced: list[tuple[Any, str, Callable]] = []
+        self.raised: list[HostSyncError] = []
+
+    def open(self, name: str) -> int:
+        with self.lock:
+            if self.windows == 0:
+                for where, attribute, label in _WAITS:
+                    target = _resolve(where)
+                    original = getattr(target, attribute, None) if target is not None else None
+                    if original is not None:
+                        setattr(target, attribute, self._refusing(original, label))
+                        self.replaced.append((target, attribute, original))
+            self.windows += 1
+            return len(self.raised)
+
+    def close(self) -> None:
+        with self.lock:
+            self.windows -= 1
+            if self.windows == 0:
+                for target, attribute, original in reversed(self.replaced):
+                    setattr(target, attribute, original)
+                self.replaced.clear()
+                self.raised.clear()
+
+    def _refusing(self, original: Callable, label: str) -> Callable:
+        def refuse(*args: Any, **kwargs: Any) -> Any:
+            # Only a wait made while this thread's stream captures (the capturing thread, or
+            # autograd's worker running a captured backward): other threads go through.
+            if not cuda_stream_capturing():
+                return original(*args, **kwargs)
+            error = HostSyncError(_message(_NAME.get(), label, traceback.extract_stack()[:-1], None))
+            self.raised.append(error)
+            raise error
+
+        refuse.__wrapped__ = original
+        return refuse
+
+
+_REFUSALS = _Refusals()
+# The graph being captured, for the message (a wait on autograd's worker thread names the
+# graph whose backward is captured; the worker runs in the capturing thread's context).
+_NAME: contextvars.ContextVar[str] = contextvars.ContextVar("te_graph_capture_name", default="a graphed callable")
+
+
 @contextlib.contextmanager
 def waits_refused(name: str) -> Iterator[None]:
-    """While a graph of ``name`` is captured, a host wait named in ``_WAITS`` made on this
-    thread raises :class:`HostSyncError` before CUDA sees it (the capture stays valid)."""
-    owner = threading.get_ident()
-    replaced = []
-    for where, attribute, label in _WAITS:
-        target = _resolve(where)
-        original = getattr(target, attribute, None) if target is not None else None
-        if original is None:
-            continue
-        setattr(target, attribute, _refusing(original, label, name, owner))
-        replaced.append((target, attribute, original))
+    """While a graph of ``name`` is captured, a host wait named in ``_WAITS`` made where the
+    current stream captures raises :class:`HostSyncError` before CUDA sees it (the capture
+    stays valid); one the body caught and went on from is raised when the window closes."""
+    token = _NAME.set(name)
+    seen = _REFUSALS.open(name)
     try:
         yield
+        caught = _REFUSALS.raised[seen:]
+        if caught:
+            raise caught[0]
     finally:
-        for target, attribute, original in reversed(replaced):
-            setattr(target, attribute, original)
+        _REFUSALS.close()
+        _NAME.reset(token)
 
 
 def refusal_of(name: str, error: BaseException) -> Optional[HostSyncError]:
@@ -81,7 +141,7 @@ def refusal_of(name: str, error: BaseException) -> Optional[HostSyncError]:
     if isinstance(error, HostSyncError):
         return error
     text = str(error)
-    if not isinstance(error, RuntimeError) or "captur" not in text:
+    if not isinstance(error, RuntimeError) or not any(marker in text for marker in _CAPTURE_ERRORS):
         return None
     first = text.strip().splitlines()[0] if text.strip() else type(error).__name__
     return HostSyncError(_message(
@@ -89,16 +149,6 @@ def refusal_of(name: str, error: BaseException) -> Optional[HostSyncError]:
         traceback.extract_tb(error.__traceback__),
         "Such an operation is most often a host wait (.item(), .cpu(), .tolist(), nonzero, a "
         "boolean mask, a copy to host memory that is not pinned)"))
-
-
-def _refusing(original: Callable, label: str, name: str, owner: int) -> Callable:
-    def refuse(*args: Any, **kwargs: Any) -> Any:
-        if threading.get_ident() != owner:
-            return original(*args, **kwargs)
-        raise HostSyncError(_message(name, label, traceback.extract_stack()[:-1], None))
-
-    refuse.__wrapped__ = original
-    return refuse
 
 
 def _message(name: str, op: str, frames: traceback.StackSummary, note: Optional[str]) -> str:

@@ -260,7 +260,6 @@ class OutputLayout:
         self.tensors: tuple[torch.Tensor, ...] = tuple(unique.values())
         self._plain = self.picks == tuple(range(len(self.tensor_slots)))
         self.devices = tuple(t.device for t in self.tensors)  # kept when the memory is not
-        self.computed_from = computed_from(self.tensors)
 
     def with_tensors(self, tensors: Sequence[torch.Tensor]) -> "OutputLayout":
         """The same layout with ``tensors`` as its output tensors (a new object)."""
@@ -306,31 +305,3 @@ class OutputLayout:
             return tuple(leaves)
         return pytree.tree_unflatten(leaves, self.spec)
 
-
-def computed_from(tensors: Sequence[torch.Tensor]) -> tuple[frozenset, ...]:
-    """Per output, the other outputs whose backward runs through its autograd node (they
-    were computed from it). Where one of those gets a gradient, a zero gradient for this
-    output is only added to theirs at that node, which leaves their sum as it is (up to the
-    sign of a zero): the backward graph, captured with a gradient for every output, then
-    computes what eager autograd computes without this one (megatron-core's MoE layers
-    return the router's probabilities beside the permuted ones computed from them, and use
-    only the latter). Empty with fewer than two differentiable outputs."""
-    nodes = [t.grad_fn if t.requires_grad else None for t in tensors]
-    if sum(n is not None for n in nodes) < 2:
-        return tuple(frozenset() for _ in tensors)
-    reached = [_reachable(n) if n is not None else frozenset() for n in nodes]
-    return tuple(
-        frozenset(j for j, seen in enumerate(reached) if j != i and node is not None and node in seen)
-        for i, node in enumerate(nodes)
-    )
-
-
-def _reachable(node: Any) -> frozenset:
-    """The autograd nodes a backward from ``node`` runs (``node`` included)."""
-    seen, stack = {node}, [node]
-    while stack:
-        for edge, _ in stack.pop().next_functions:
-            if edge is not None and edge not in seen:
-                seen.add(edge)
-                stack.append(edge)
-    return frozenset(seen)

@@ -166,6 +166,9 @@ class WarmupRecord:
     # Parameters whose weight gradient a kernel accumulates into main_grad itself (Transformer
     # Engine's fuse_wgrad_accumulation): each backward replay flags them as TE's Python does.
     fused_params: frozenset = frozenset()
+    # Per output, the other outputs whose backward delivers a gradient to it
+    # (``warmup.outputs_fed``): it may go without one at a call where one of those gets one.
+    fed: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -189,3 +192,4 @@ class CapturedGraph:
     # Parameters to flag grad_added_to_main_grad=True after each backward replay, as
     # Transformer Engine's backward does for weights it accumulates into main_grad itself.
     fused_params: tuple = ()
+    fed: tuple = ()  # WarmupRecord.fed: which outputs may go without a gradient, and when

@@ -28,7 +28,6 @@ import torch
 from . import compat
 from .te_support import accepts_is_first_microbatch
 from .grads import grads_redirected
-from .layout import OutputLayout
 from .parameters import StandIns
 from .module_state import shares_memory
 from .records import CapturedGraph, GraphSpec, WarmupRecord
@@ -169,14 +168,13 @@ class Runner:
             if self.has_wgrad:
                 check_still_delayed(self.name, self.wgrad)
 
-    def _take_outputs(self, output: OutputLayout) -> None:
+    def _take_outputs(self, outputs: tuple[torch.Tensor, ...], fed: tuple) -> None:
         """Which outputs take no gradient, and whether several do (a backward where one of
-        those gets none is refused unless an output computed from it gets one:
-        ``_before_backward``, ``layout.computed_from``)."""
-        outputs = output.tensors
+        those gets none is refused unless an output whose backward feeds it gets one:
+        ``_before_backward``, ``warmup.outputs_fed``)."""
         self.non_differentiable = tuple(i for i, o in enumerate(outputs) if not o.requires_grad)
         self.multi_output = len(outputs) - len(self.non_differentiable) > 1
-        self.computed_from = output.computed_from
+        self.fed = fed or tuple(frozenset() for _ in outputs)
 
     def _issued(self, invocation: Invocation) -> Invocation:
         """Remember a call whose backward may come (checked by the next forward)."""
@@ -184,22 +182,24 @@ class Runner:
         return invocation
 
     def _before_backward(self, invocation: Invocation, grads: tuple) -> None:
-        if self.has_wgrad:
-            self.wgrad_book.check_backward(self)
-        self._check_fresh(invocation)
+        # The refusal first, so that a caller who catches it and retries gets it again.
         if self.multi_output:
             missing = next((i for i, g in enumerate(grads) if g is None and i not in self.non_differentiable
-                            and not any(grads[j] is not None for j in self.computed_from[i])), None)
+                            and not any(grads[j] is not None for j in self.fed[i])), None)
             if missing is not None:
                 raise RuntimeError(
                     f"{self.name}: output {missing} got no gradient in this backward (the loss does not "
                     "use it), but the backward graph was captured with a gradient for every "
                     "differentiable output: it would push zeros through that output's part of the "
                     "backward, where eager autograd skips it (zeros there turn into NaN through log, "
-                    "sqrt or a division; an output that a differentiable output was computed from "
-                    "may go without). Use every differentiable output in the loss, or return only "
-                    "the outputs you use (detach the others inside the callable)."
+                    "sqrt or a division; an output may go without where an output computed from it "
+                    "gets a gradient that autograd delivers to it). Use every differentiable output "
+                    "in the loss, or return only the outputs you use (detach the others inside the "
+                    "callable)."
                 )
+        if self.has_wgrad:
+            self.wgrad_book.check_backward(self)
+        self._check_fresh(invocation)
 
     def _after_backward(self) -> None:
         if self.has_wgrad:
@@ -264,7 +264,7 @@ class GraphRunner(Runner):
         self.output = graph.output
         self.static_outputs = graph.output.tensors
         self.handout = GraphOutputs(self.name, self.static_outputs, spec)
-        self._take_outputs(graph.output)
+        self._take_outputs(self.static_outputs, graph.fed)
         self.always_autograd = options.always_autograd
         self.clone_param_grads = options.clone_param_grads
 
@@ -389,7 +389,7 @@ class EagerRunner(Runner):
         self.static_inputs = spec.static_inputs
         self.input_slots = tuple(map(_Slot, spec.static_inputs))
         self.output = warmup.output
-        self._take_outputs(warmup.output)
+        self._take_outputs(warmup.output.tensors, warmup.fed)
         # The parameters whose gradients the graphs always hand to autograd (tied weights;
         # all with accumulate_grads_in_graph=False) do the same here: the forward runs on
         # stand-ins for them (``parameters``), whose fresh gradients leave the backward through

@@ -34,7 +34,7 @@ from .records import GraphSpec, WarmupRecord
 from .schedule import FORWARD, Step
 from .wgrad import DelayedWgrad, check_no_queued_work, delayed_wgrad_modules, learn_wgrad
 
-__all__ = ["warm_up", "grad_mode", "fp8_context", "differentiable"]
+__all__ = ["warm_up", "grad_mode", "fp8_context", "differentiable", "outputs_fed"]
 
 
 def warm_up(
@@ -60,6 +60,7 @@ def warm_up(
     wgrad_seen: dict[int, DelayedWgrad] = {}
     idle_seen: dict[int, frozenset] = {}  # parameters the first backward gave no gradient
     fused_seen: dict[int, frozenset] = {}
+    fed_seen: dict[int, tuple] = {}  # per output, the outputs whose backward feeds it (outputs_fed)
     draws: dict[int, tuple[Optional[StreamUse], Optional[StreamUse]]] = {}
     for iteration in range(num_iters):
         first, last = iteration == 0, iteration == num_iters - 1
@@ -81,8 +82,12 @@ def warm_up(
                     state.check_references(spec.owner, spec.static_inputs, out)
                 if first:
                     _check_first_forward(spec, out)
-                    outputs_seen[index] = OutputLayout(spec.name, outputs).without_memory()
+                    layout = OutputLayout(spec.name, outputs)
+                    outputs_seen[index] = layout.without_memory()
                     updated_seen[index] = _check_updated(spec, inputs.close())
+                    if spec.needs_backward:
+                        fed_seen[index] = outputs_fed(layout.tensors)
+                    del layout
                 backward_use = None
                 if spec.needs_backward:
                     delayed = delayed_wgrad_modules(te_seen.get(index, ()))
@@ -108,6 +113,7 @@ def warm_up(
             backward_draws=draws.get(i, (None, None))[1], wgrad=wgrad_seen.get(i),
             unused_params=idle_seen.get(i, frozenset()),
             fused_params=fused_seen.get(i, frozenset()),
+            fed=fed_seen.get(i, ()),
         )
         for i in range(len(specs))
     ]
@@ -160,7 +166,7 @@ class _WarmupRegions:
 
 
 def _backward(spec: GraphSpec, stand_ins: StandIns, outputs: Any, device, tracker, delayed: tuple,
-              known: Optional[DelayedWgrad]) -> tuple[tuple[int, ...], Optional[StreamUse], Optional[DelayedWgrad]]:
+              known: Optional[DelayedWgrad]) -> tuple:
     """The backward, and the weight-gradient pass of modules that delay it (``wgrad``)."""
     out = differentiable(outputs)
     grads = [torch.zeros_like(o) for o in out]
@@ -191,6 +197,51 @@ def _backward(spec: GraphSpec, stand_ins: StandIns, outputs: Any, device, tracke
         if "grad_added_to_main_grad" in p.__dict__:
             p.grad_added_to_main_grad = False
     return unused, draws.close() if draws is not None else None, learned, idle, fused
+
+
+def outputs_fed(tensors: Sequence[torch.Tensor]) -> tuple[frozenset, ...]:
+    """Per output, the other outputs whose backward delivers a gradient to it (they were
+    computed from it). Where one of those gets a gradient at a call, a zero gradient for
+    this output only adds to theirs where it arrives, which leaves the sum as it is (up to
+    the sign of a zero): the backward graph, captured with a gradient for every output, then
+    computes what eager autograd computes without this one. megatron-core's MoE layers,
+    graphed up to token dispatch, return the router's probabilities beside the permuted ones
+    computed from them and use only the latter.
+
+    Read from the autograd graph, without running it: output ``j`` feeds output ``i`` where
+    a path from ``j``'s node reaches ``i``'s own slot (its node and output number) through
+    torch's built-in nodes only. Two outputs of one node (``torch.linalg.eigh``'s) do not
+    feed each other, and a custom ``autograd.Function`` on the way (which may hand back no
+    gradient) ends the path: eager autograd would then skip this output's part of the
+    backward, where zeros could turn into NaN, so that output must get a gradient at every
+    call."""
+    slots = [(t.grad_fn, t.output_nr) if t.requires_grad and t.grad_fn is not None else None for t in tensors]
+    if sum(s is not None for s in slots) < 2:
+        return tuple(frozenset() for _ in tensors)
+    reached = [_slots_reached(s[0]) if s is not None else frozenset() for s in slots]
+    return tuple(
+        frozenset(j for j, seen in enumerate(reached) if j != i and slot is not None and slot in seen)
+        for i, slot in enumerate(slots)
+    )
+
+
+def _slots_reached(start: Any) -> frozenset:
+    """The (node, output number) slots a backward from ``start`` delivers gradients to,
+    passing through built-in nodes only (a custom Function's node is reached, not crossed)."""
+    seen: set = set()
+    stack, crossed = [start], {start}
+    while stack:
+        node = stack.pop()
+        if isinstance(node, torch.autograd.function.BackwardCFunction):
+            continue
+        for edge, output_nr in node.next_functions:
+            if edge is None:
+                continue
+            seen.add((edge, output_nr))
+            if edge not in crossed:
+                crossed.add(edge)
+                stack.append(edge)
+    return frozenset(seen)
 
 
 def _tensor_leaves(outputs: Any) -> list[torch.Tensor]:

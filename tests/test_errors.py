@@ -302,35 +302,60 @@ def test_a_host_wait_skipped_while_capturing_is_not_refused():
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(eager.parameters(), graphed.parameters()))
 
 
-def test_host_waits_are_refused_on_the_capturing_thread_only():
-    """The refusal of named host waits, as a capture installs it: the wait raises before
-    CUDA sees it on the capturing thread, and other threads are not touched."""
+def test_only_cuda_stream_capture_errors_are_told_as_host_waits():
+    from te_graph.host_sync import HostSyncError, refusal_of  # noqa: PLC0415
+
+    def raised(text):
+        try:
+            raise RuntimeError(text)  # this line is where the "wait" happens
+        except RuntimeError as error:
+            return error
+
+    told = refusal_of("callable 0 (Net)", raised("CUDA error: operation not permitted when stream is capturing"))
+    assert isinstance(told, HostSyncError)
+    assert str(told).startswith(
+        "make_graphed_callables: callable 0 (Net) waits for the GPU from the host while it is captured: an operation "
+        "CUDA does not allow during capture (CUDA error: operation not permitted when stream is capturing) at "
+        "tests/test_errors.py:"), str(told)
+    assert "raise RuntimeError(text)" in str(told)
+    assert refusal_of("callable 0 (Net)", raised(
+        "Cannot call CUDAGeneratorImpl::current_seed during CUDA graph capture")) is None
+    assert refusal_of("callable 0 (Net)", ValueError("stream is capturing")) is None
+
+
+def test_host_wait_patches_are_owned_once_and_put_back_when_the_last_capture_window_closes():
+    """The patched waits (refused on a GPU while a stream captures: the tests above) are
+    installed once for overlapping capture windows, even of two threads interleaving, and
+    the originals are back when the last window closes; outside a capture they go through."""
     import threading  # noqa: PLC0415
 
-    from te_graph.host_sync import HostSyncError, waits_refused  # noqa: PLC0415
+    from te_graph.host_sync import waits_refused  # noqa: PLC0415
 
     original = torch.cuda.synchronize
-    seen = []
+    a_open, b_open, a_closed = threading.Event(), threading.Event(), threading.Event()
 
-    def other_thread():
-        try:
-            torch.cuda.synchronize()
-            seen.append("ran")
-        except HostSyncError:
-            seen.append("refused")
-        except Exception:  # no CUDA here: torch's own error, so the call went through
-            seen.append("ran")
+    def window_b():
+        with waits_refused("callable 1 (B)"):
+            b_open.set()
+            a_closed.wait(10)
 
-    with waits_refused("callable 0 (Net)"):
-        with pytest.raises(HostSyncError, match=re.escape(
-                "make_graphed_callables: callable 0 (Net) waits for the GPU from the host while it is captured: "
-                "torch.cuda.synchronize() at tests/test_errors.py:")):
-            torch.cuda.synchronize()
-        worker = threading.Thread(target=other_thread)
+    with waits_refused("callable 0 (A)"):
+        patched = torch.cuda.synchronize
+        assert patched is not original and patched.__wrapped__ is original
+        worker = threading.Thread(target=window_b)
         worker.start()
-        worker.join()
-    assert seen == ["ran"]
+        b_open.wait(10)
+        assert torch.cuda.synchronize is patched  # not stacked
+        a_open.set()
+    assert torch.cuda.synchronize is patched  # B's window is still open
+    a_closed.set()
+    worker.join()
     assert torch.cuda.synchronize is original
+    if not torch.cuda.is_available():
+        with waits_refused("callable 0 (A)"):
+            with pytest.raises(Exception) as outside:  # not capturing: torch's own call ran
+                torch.cuda.synchronize()
+            assert "waits for the GPU" not in str(outside.value)
 
 
 # -- refused before anything changes: the module, its grads and buffers, the RNG ------------------

@@ -323,6 +323,50 @@ def test_an_output_without_gradient_that_another_was_computed_from_trains_as_eag
         assert all(torch.equal(a.grad, b.grad) for a, b in zip(eager.parameters(), graphed.parameters()))
 
 
+class _NoGrad(torch.autograd.Function):
+    """Hands back no gradient (a stop-gradient written as a Function)."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return t * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return None
+
+
+@pytest.mark.parametrize("kind", ["one-node-two-outputs", "path-without-gradient"])
+def test_an_output_without_gradient_that_no_used_output_feeds_is_refused(kind):
+    """Where the used output's backward reaches the unused one's node but delivers it no
+    gradient (both outputs of one node; a Function handing back None), eager autograd skips
+    the unused one's part of the backward: zeros pushed there could give NaN (0/0 in eigh's
+    backward for repeated eigenvalues, sqrt at 0), so the call is refused."""
+    class Eig(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(H, H, bias=False)
+
+        def forward(self, x):
+            a = self.lin(x)
+            return torch.linalg.eigh(a + a.mT)
+
+    class Sqrt(Net):
+        def forward(self, x):
+            d = self.lin1(x) - self.lin1(x).detach()
+            s = torch.sqrt(d * d)
+            return s, _NoGrad.apply(s) + self.lin2(x)
+
+    if kind == "one-node-two-outputs":
+        m = make_graphed_callables(Eig(), (torch.randn(H, H, requires_grad=True),), eager_replay=True)
+        used, missing, out = 0, 1, m(torch.randn(H, H, requires_grad=True))
+    else:
+        m = make_graphed_callables(Sqrt(), (_x(),), eager_replay=True)
+        used, missing, out = 1, 0, m(_x())
+    with pytest.raises(RuntimeError, match=re.escape(
+            f"callable 0 ({type(m).__name__}): output {missing} got no gradient in this backward")):
+        weighted_loss(out[used]).backward()
+
+
 # -- call forms and keywords ---------------------------------------------------------------------
 def test_a_class_or_over_nested_samples_are_named_before_warmup():
     with pytest.raises(TypeError, match=re.escape(

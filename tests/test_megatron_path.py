@@ -9,7 +9,9 @@ every step's losses, ``main_grad`` buffers and weights after the optimizer step 
 bitwise. The setups: dropout, gradient-accumulation fusion, FP8, full and selective recompute
 (both refused by Megatron with per-layer graphs), DDP's overlapped gradient reduction with
 Megatron's optimizer, the distributed optimizer with overlapped parameter gathers (DDP's
-forward pre-hooks run by the helper before each replay). Needs a GPU, megatron-core 0.19 and Transformer Engine 2.20; skipped otherwise.
+forward pre-hooks run by the helper before each replay), and megatron-core's MoE layers:
+drop-and-pad graphed whole, dropless graphed up to token dispatch (bf16, FP8, full recompute),
+dropless refused by name when graphed whole, and dropless experts in capacity graphs. Needs a GPU, megatron-core 0.19 and Transformer Engine 2.20; skipped otherwise.
 """
 from __future__ import annotations
 

@@ -109,3 +109,38 @@ def test_probabilities_of_another_dtype_than_captured_are_refused_at_the_call():
             "in torch.float32, but their graphs were captured for torch.float64 and torch.float64: pass "
             "probs_dtype=torch.float32 to graph_dropless_experts")):
         layer.experts(hidden, torch.tensor([1, 1, 1, 0]), torch.rand(3))
+
+
+class Broken(Experts):
+    def forward(self, hidden, tokens_per_expert, probs):
+        raise RuntimeError("broken experts")
+
+
+def test_a_failure_on_a_later_layer_leaves_every_layer_as_it_was():
+    model = nn.ModuleList([Layer(), Layer()])
+    model[1].experts = Broken()
+    with pytest.raises(RuntimeError, match="broken experts"):
+        graph_dropless_experts(model, [8], probs_dtype=torch.float64, eager_replay=True)
+    assert all("forward" not in layer.experts.__dict__ for layer in model)
+
+
+@pytest.mark.parametrize("setup, message", [
+    ("instance-forward", "the Experts module has a forward of its own, set on the instance"),
+    ("fp8", "the layers train in FP8 or FP4 (fp8_recipe='tensorwise')"),
+    ("drop-and-pad", "the layers route with a capacity factor (drop-and-pad)"),
+    ("delayed-wgrad", "the experts delay their weight gradients (delay_wgrad_compute)"),
+])
+def test_layers_it_cannot_serve_exactly_are_refused_before_any_is_graphed(setup, message):
+    model = nn.ModuleList([Layer(), Layer()])
+    last = model[1]
+    if setup == "instance-forward":
+        last.experts.forward = last.experts.forward  # a bound method set on the instance
+    elif setup == "fp8":
+        last.config.fp8, last.config.fp8_recipe = "hybrid", "tensorwise"
+    elif setup == "drop-and-pad":
+        last.config.moe_expert_capacity_factor = 1.0
+    else:
+        last.config.delay_wgrad_compute = True
+    with pytest.raises(ValueError, match=re.escape(f"te_graph.graph_dropless_experts: {message}")):
+        graph_dropless_experts(model, [8], probs_dtype=torch.float64, eager_replay=True)
+    assert "forward" not in model[0].experts.__dict__

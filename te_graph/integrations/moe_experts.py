@@ -24,6 +24,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from checkpointing.recompute_state import cuda_stream_capturing
+
 __all__ = ["DroplessExperts", "graph_dropless_experts", "capacities_for"]
 
 _ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
@@ -61,16 +63,17 @@ class DroplessExperts:
         self.dtypes = dtypes  # (tokens, probabilities) as captured
         self.calls = {c: 0 for c in self.capacities}
         self.eager_calls = 0
-        self._original = experts.__dict__.get("forward")  # an instance forward there before, if any
         experts.forward = self.forward
 
     def forward(self, hidden: torch.Tensor, tokens_per_expert: Any, probs: torch.Tensor, **kwargs: Any) -> tuple:
         counts = tokens_per_expert.tolist() if isinstance(tokens_per_expert, torch.Tensor) else list(tokens_per_expert)
         largest = max(counts) if counts else 0
         capacity = next((c for c in self.capacities if c >= largest), None)
-        if capacity is None or kwargs or not self.experts.training:
+        # Eagerly: above the largest capacity, outside training, with keywords the graphs do
+        # not take, and inside another capture (a graph cannot replay inside a capture).
+        if capacity is None or kwargs or not self.experts.training or cuda_stream_capturing():
             self.eager_calls += 1
-            return self._eager(hidden, tokens_per_expert, probs, **kwargs)
+            return type(self.experts).forward(self.experts, hidden, tokens_per_expert, probs, **kwargs)
         if (hidden.dtype, probs.dtype) != self.dtypes:
             raise ValueError(
                 f"te_graph.graph_dropless_experts: the experts got tokens in {hidden.dtype} and routing "
@@ -86,28 +89,21 @@ class DroplessExperts:
         output = self.graphed(padded, padded_probs)
         return output.index_select(0, rows), None
 
-    def _eager(self, *args: Any, **kwargs: Any) -> Any:
-        if self._original is not None:
-            return self._original(*args, **kwargs)
-        return type(self.experts).forward(self.experts, *args, **kwargs)
-
     def remove(self) -> None:
         """Put the experts' own forward back and free the graphs."""
         import te_graph  # noqa: PLC0415
 
-        if self._original is None:
-            self.experts.__dict__.pop("forward", None)
-        else:
-            self.experts.forward = self._original
+        self.experts.__dict__.pop("forward", None)
         te_graph.reset(self.graphed)
 
 
 def capacities_for(tokens: int, topk: int, num_experts: int, factors: Sequence[float], multiple: int = 16) -> list[int]:
     """Token capacities per expert, ``factor`` times the even share ``tokens * topk /
-    num_experts`` each, rounded up to ``multiple`` rows (FP8 GEMMs need 16), at most every
-    assignment on one expert."""
+    num_experts`` each, rounded up to ``multiple`` rows, at most ``tokens`` (top-k routing
+    sends a token to an expert once; with expert parallelism, pass the tokens an expert's
+    rank receives from all ranks)."""
     even = tokens * topk / num_experts
-    return sorted({min(tokens * topk, multiple * math.ceil(f * even / multiple)) for f in factors})
+    return sorted({min(tokens, multiple * math.ceil(f * even / multiple)) for f in factors})
 
 
 def graph_dropless_experts(
@@ -127,8 +123,6 @@ def graph_dropless_experts(
     routing probabilities' dtype, by default megatron-core's ``moe_router_dtype`` where set,
     else the parameters' dtype.
     Returns one :class:`DroplessExperts` per layer (``remove()`` undoes it)."""
-    import te_graph  # noqa: PLC0415
-
     if not capacities or any(int(c) <= 0 for c in capacities):
         raise ValueError(f"te_graph.graph_dropless_experts: capacities must be positive row counts, got {list(capacities)}.")
     layers = [m for m in model.modules() if hasattr(m, "experts") and hasattr(m, "token_dispatcher")]
@@ -139,49 +133,77 @@ def graph_dropless_experts(
         raise ValueError("te_graph.graph_dropless_experts: each layer's experts get a pool of their own (their "
                          "graphs replay in another order than they would be captured in across layers); leave "
                          "pool= unset.")
-    fp8 = [_fp8_options(layer.config) for layer in layers]  # refusals first, before anything is graphed
-    installed = []
-    for layer, fp8_options in zip(layers, fp8):
-        experts = layer.experts
-        if isinstance(getattr(experts.forward, "__self__", None), DroplessExperts):
-            raise ValueError("te_graph.graph_dropless_experts: these experts are graphed already; remove() first.")
-        num_experts = getattr(experts, "num_local_experts", None)
-        hidden_size = layer.config.hidden_size
-        params = [p for p in experts.parameters()]
-        if num_experts is None or not params:
-            raise ValueError(f"te_graph.graph_dropless_experts: {type(experts).__name__} is not a megatron-core "
-                             "experts module (no num_local_experts or no parameters).")
-        device, dtype = params[0].device, layer.config.params_dtype
-        # The router computes in moe_router_dtype where set, else in the activations' dtype,
-        # and dispatch permutes its probabilities as they are.
-        probs = probs_dtype or _ROUTER_DTYPES.get(getattr(layer.config, "moe_router_dtype", None), dtype)
-        padded = _Padded(experts, type(experts).forward.__get__(experts), num_experts)
-
-        def sample(capacity: int) -> tuple:
-            rows = num_experts * capacity
-            return (torch.zeros(rows, hidden_size, device=device, dtype=dtype, requires_grad=True),
-                    torch.zeros(rows, device=device, dtype=probs, requires_grad=True))
-
-        largest_first = sorted((int(c) for c in capacities), reverse=True)
-        graphed = te_graph.make_graphed_callables(
-            padded, sample(largest_first[0]), more_shapes=[sample(c) for c in largest_first[1:]],
-            eager_replay=eager_replay, **{**fp8_options, **graph_options})
-        installed.append(DroplessExperts(experts, graphed, largest_first, num_experts, (dtype, probs)))
+    for layer in layers:  # every refusal before anything is graphed
+        _check_layer(layer)
+    wanted = sorted({int(c) for c in capacities}, reverse=True)
+    installed: list[DroplessExperts] = []
+    try:
+        for layer in layers:
+            installed.append(_install(layer, wanted, probs_dtype, eager_replay, graph_options))
+    except BaseException:
+        for done in installed:  # a failure leaves the model as it was
+            done.remove()
+        raise
     return installed
 
 
-def _fp8_options(config: Any) -> dict:
-    """The FP8 arguments the experts' graphs would take for a layer trained in FP8 (the ones
-    megatron-core's helper passes): none, as FP8 is refused for now; empty for bf16."""
-    if not getattr(config, "fp8", None):
-        return {}
-    # Measured on an H100 (TE 2.20, megatron-core 0.19.2, tests/test_megatron_path.py): under
-    # FP8, delayed and current scaling alike, the capacity graphs drift from their eager
-    # replay (about 1e-5 in the loss) from the third graphed step on, where some calls ran the
-    # experts eagerly between replays; until that is understood, refuse rather than train
-    # differently.
-    raise ValueError(
-        f"te_graph.graph_dropless_experts: the layers train in FP8 (fp8_recipe={config.fp8_recipe!r}), which "
-        "experts graphed per token capacity do not support yet: their graphs were measured to drift from eager "
-        "replay a few steps after graphing. Train these layers in bf16, or leave the experts eager (the "
-        "layers' graphs up to token dispatch support FP8).")
+def _install(layer: torch.nn.Module, largest_first: list[int], probs_dtype: Optional[torch.dtype],
+             eager_replay: Optional[bool], graph_options: dict) -> DroplessExperts:
+    import te_graph  # noqa: PLC0415
+
+    experts = layer.experts
+    num_experts = experts.num_local_experts
+    hidden_size = layer.config.hidden_size
+    params = list(experts.parameters())
+    device, dtype = params[0].device, layer.config.params_dtype
+    # The router computes in moe_router_dtype where set, else in the activations' dtype,
+    # and dispatch permutes its probabilities as they are.
+    probs = probs_dtype or _ROUTER_DTYPES.get(getattr(layer.config, "moe_router_dtype", None), dtype)
+    padded = _Padded(experts, type(experts).forward.__get__(experts), num_experts)
+
+    def sample(capacity: int) -> tuple:
+        rows = num_experts * capacity
+        return (torch.zeros(rows, hidden_size, device=device, dtype=dtype, requires_grad=True),
+                torch.zeros(rows, device=device, dtype=probs, requires_grad=True))
+
+    graphed = te_graph.make_graphed_callables(
+        padded, sample(largest_first[0]), more_shapes=[sample(c) for c in largest_first[1:]],
+        eager_replay=eager_replay, **graph_options)
+    return DroplessExperts(experts, graphed, largest_first, num_experts, (dtype, probs))
+
+
+def _check_layer(layer: torch.nn.Module) -> None:
+    """What graph_dropless_experts refuses, with the reason (before anything changes)."""
+    experts, config = layer.experts, layer.config
+    name = type(experts).__name__
+    if isinstance(getattr(experts.forward, "__self__", None), DroplessExperts):
+        raise ValueError("te_graph.graph_dropless_experts: these experts are graphed already; remove() first.")
+    if "forward" in experts.__dict__:
+        raise ValueError(
+            f"te_graph.graph_dropless_experts: the {name} module has a forward of its own, set on the instance "
+            "(torch.compile, an adapter, a wrapper); its graphs would run the class's forward and its eager calls "
+            "that one. Graph the experts before replacing their forward, or leave them eager.")
+    if getattr(experts, "num_local_experts", None) is None or not any(True for _ in experts.parameters()):
+        raise ValueError(f"te_graph.graph_dropless_experts: {name} is not a megatron-core experts module "
+                         "(no num_local_experts or no parameters).")
+    unsupported = [
+        (getattr(config, "fp8", None) or getattr(config, "fp4", None),
+         # Measured on an H100 (TE 2.20, megatron-core 0.19.2, tests/test_megatron_path.py):
+         # under FP8, delayed and current scaling alike, the capacity graphs drift from their
+         # eager replay (about 1e-5 in the loss) from the third graphed step on, where some
+         # calls ran the experts eagerly between replays. FP4 pads as FP8 does: not tried.
+         f"the layers train in FP8 or FP4 (fp8_recipe={getattr(config, 'fp8_recipe', None)!r}): the capacity "
+         "graphs were measured to drift from eager replay a few steps after graphing under FP8. Train these "
+         "layers in bf16, or leave the experts eager (the layers' graphs up to token dispatch support FP8)"),
+        (getattr(config, "moe_expert_capacity_factor", None) is not None,
+         "the layers route with a capacity factor (drop-and-pad), whose experts already get static shapes: "
+         "graph the whole layer instead (an empty cuda_graph_modules)"),
+        (getattr(config, "delay_wgrad_compute", False),
+         "the experts delay their weight gradients (delay_wgrad_compute): Megatron's experts.backward_dw() "
+         "would find no queued work after a replay"),
+        (getattr(config, "moe_latent_size", None),
+         "the experts work in a latent width (moe_latent_size), which is not supported yet"),
+    ]
+    for refused, why in unsupported:
+        if refused:
+            raise ValueError(f"te_graph.graph_dropless_experts: {why}.")
