@@ -43,6 +43,13 @@ __all__ = ["HostSyncError", "waits_refused", "refusal_of"]
 class HostSyncError(RuntimeError):
     """A graphed callable waits for the GPU from the host while it is captured."""
 
+    def __init__(self, message: str, wait: Optional[tuple] = None):
+        super().__init__(message)
+        # A refusal raised where the graph's name is not known (autograd's worker thread runs
+        # a captured backward outside the capturing thread's context): (op, frames), for
+        # ``refusal_of`` to tell again with the name.
+        self.unnamed_wait = wait
+
 
 # The host waits refused by name: (owner, attribute, how the message names it).
 _WAITS = (
@@ -104,7 +111,9 @@ class _Refusals:
             # autograd's worker running a captured backward): other threads go through.
             if not cuda_stream_capturing():
                 return original(*args, **kwargs)
-            error = HostSyncError(_message(_NAME.get(), label, traceback.extract_stack()[:-1], None))
+            frames, name = traceback.extract_stack()[:-1], _NAME.get()
+            error = HostSyncError(_message(name or "a graphed callable", label, frames, None),
+                                  None if name else (label, frames))
             self.raised.append(error)
             raise error
 
@@ -113,9 +122,9 @@ class _Refusals:
 
 
 _REFUSALS = _Refusals()
-# The graph being captured, for the message (a wait on autograd's worker thread names the
-# graph whose backward is captured; the worker runs in the capturing thread's context).
-_NAME: contextvars.ContextVar[str] = contextvars.ContextVar("te_graph_capture_name", default="a graphed callable")
+# The graph being captured, for the message; unset on autograd's worker thread, where the
+# refusal is named again when it reaches the capture (``refusal_of``).
+_NAME: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("te_graph_capture_name", default=None)
 
 
 @contextlib.contextmanager
@@ -139,7 +148,10 @@ def refusal_of(name: str, error: BaseException) -> Optional[HostSyncError]:
     """The :class:`HostSyncError` that tells ``error`` (raised inside a capture of ``name``)
     in the user's terms, where it is CUDA refusing an operation during capture; else None."""
     if isinstance(error, HostSyncError):
-        return error
+        if error.unnamed_wait is None:
+            return error
+        op, frames = error.unnamed_wait
+        return HostSyncError(_message(name, op, frames, None))
     text = str(error)
     if not isinstance(error, RuntimeError) or not any(marker in text for marker in _CAPTURE_ERRORS):
         return None

@@ -288,6 +288,31 @@ def test_a_host_wait_is_refused_by_name_and_the_layer_then_trains_eagerly(kind):
     torch.cuda.synchronize()
 
 
+class _WaitsInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t):
+        return t * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        torch.cuda.synchronize()  # runs on autograd's worker thread, in the captured backward
+        return g * 2
+
+
+class _BackwardWaits(Lin):
+    def forward(self, x):
+        return _WaitsInBackward.apply(self.lin(x))
+
+
+@pytest.mark.gpu
+def test_a_host_wait_in_a_backward_is_refused_by_name():
+    from te_graph.host_sync import HostSyncError  # noqa: PLC0415
+
+    with pytest.raises(HostSyncError, match=re.escape(
+            "make_graphed_callables: callable 0 (_BackwardWaits) waits for the GPU from the host while it is captured")):
+        make_graphed_callables(_BackwardWaits("cuda"), (_x("cuda"),))
+
+
 @pytest.mark.gpu
 def test_a_host_wait_skipped_while_capturing_is_not_refused():
     """Code that skips its host read under capture graphs (and trains as eager)."""
@@ -321,6 +346,14 @@ def test_only_cuda_stream_capture_errors_are_told_as_host_waits():
     assert refusal_of("callable 0 (Net)", raised(
         "Cannot call CUDAGeneratorImpl::current_seed during CUDA graph capture")) is None
     assert refusal_of("callable 0 (Net)", ValueError("stream is capturing")) is None
+    # A refusal raised on autograd's worker thread, where the graph's name is unknown, is named again.
+    import traceback  # noqa: PLC0415
+
+    unnamed = HostSyncError("make_graphed_callables: a graphed callable waits ...",
+                            ("torch.cuda.synchronize()", traceback.extract_stack()))
+    assert str(refusal_of("callable 2 (Block)", unnamed)).startswith(
+        "make_graphed_callables: callable 2 (Block) waits for the GPU from the host while it is captured: "
+        "torch.cuda.synchronize() at tests/test_errors.py:")
 
 
 def test_host_wait_patches_are_owned_once_and_put_back_when_the_last_capture_window_closes():
