@@ -63,6 +63,10 @@ class DroplessExperts:
         self.dtypes = dtypes  # (tokens, probabilities) as captured
         self.calls = {c: 0 for c in self.capacities}
         self.eager_calls = 0
+        # megatron-core's TE wrappers keep an ``is_first_microbatch`` flag that their eager
+        # forward clears (``TEGroupedLinear.forward``) and that Megatron sets again at each
+        # step's first microbatch under FP8 (``MegatronModule.set_is_first_microbatch``).
+        self._first_microbatch_flags = [m for m in experts.modules() if hasattr(m, "is_first_microbatch")]
         experts.forward = self.forward
 
     def forward(self, hidden: torch.Tensor, tokens_per_expert: Any, probs: torch.Tensor, **kwargs: Any) -> tuple:
@@ -87,6 +91,12 @@ class DroplessExperts:
         padded = hidden.new_zeros(self.num_experts * capacity, hidden.shape[-1]).index_copy(0, rows, hidden)
         padded_probs = probs.new_zeros(self.num_experts * capacity, *probs.shape[1:]).index_copy(0, rows, probs)
         output = self.graphed(padded, padded_probs)
+        # A replay runs no Python: clear the flag as the eager forward would, so that a later
+        # eager call of this step does not take itself for the step's first (under FP8 that
+        # call would overwrite main_grad instead of adding to it; source reading, not yet
+        # measured: FP8 stays refused, see _check_layer).
+        for module in self._first_microbatch_flags:
+            module.is_first_microbatch = False
         return output.index_select(0, rows), None
 
     def remove(self) -> None:
