@@ -7,8 +7,20 @@ import os
 import subprocess
 import sys
 import tempfile
+from typing import Any
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def model_arguments(args: Any, steps: int, precision: str, dropout: float, fusion: int) -> list[str]:
+    """The example's arguments every Megatron benchmark row shares: the step count (after 2
+    eager steps the helper graphs), precision, dropout, fusion, and the model's shape from
+    ``args`` (``layers``, ``hidden``, ``heads``, ``seq``, ``micro_batch``, ``microbatches``)."""
+    return ["--steps", str(steps), "--warmup-steps", "2", "--dropout", str(dropout),
+            "--fp8", "" if precision == "bf16" else precision, "--layers", str(args.layers),
+            "--hidden", str(args.hidden), "--heads", str(args.heads), "--seq", str(args.seq),
+            "--micro-batch", str(args.micro_batch), "--microbatches", str(args.microbatches),
+            "--fusion", str(fusion)]
 
 
 def run_example(graphs: str, arguments: list[str], timeout: int) -> dict:

@@ -14,17 +14,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from _megatron_run import run_example, save
+from _megatron_run import model_arguments, run_example, save
 
 ROWS = ("eager", "te", "te_graph")  # "te": TE's graphs in the helper, captured thread_local (examples/megatron_gpt.py)
 
 
 def _run(graphs: str, precision: str, dropout: float, fusion: int, args: argparse.Namespace) -> dict:
-    record = run_example(graphs, [
-        "--steps", str(args.steps), "--warmup-steps", "2", "--dropout", str(dropout),
-        "--fp8", "" if precision == "bf16" else precision, "--layers", str(args.layers), "--hidden", str(args.hidden),
-        "--heads", str(args.heads), "--seq", str(args.seq), "--micro-batch", str(args.micro_batch),
-        "--microbatches", str(args.microbatches), "--fusion", str(fusion)], args.timeout)
+    record = run_example(graphs, model_arguments(args, args.steps, precision, dropout, fusion), args.timeout)
     if "error" in record:
         return record
     return {"ms": record["ms"], "footprint_mib": record["footprint_mib"], "capture_s": record.get("capture_s")}

@@ -30,7 +30,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from _megatron_run import run_example, save
+from _megatron_run import model_arguments, run_example, save
 
 _PARTIAL = ["--graph-modules", "attn,moe_router,moe_preprocess"]
 _DROP_PAD = ["--capacity", "1.0"]
@@ -49,11 +49,8 @@ ROWS = {
 
 def _run(graphs: str, extra: list[str], precision: str, args: argparse.Namespace, steps: int) -> dict:
     record = run_example(graphs, [
-        "--steps", str(steps), "--warmup-steps", "2", "--dropout", str(args.dropout),
-        "--fp8", "" if precision == "bf16" else precision, "--layers", str(args.layers), "--hidden", str(args.hidden),
-        "--heads", str(args.heads), "--seq", str(args.seq), "--micro-batch", str(args.micro_batch),
-        "--microbatches", str(args.microbatches), "--experts", str(args.experts), "--topk", str(args.topk),
-        "--moe-ffn", str(args.moe_ffn), "--fusion", "1", *extra], args.timeout)
+        *model_arguments(args, steps, precision, args.dropout, fusion=1), "--experts", str(args.experts),
+        "--topk", str(args.topk), "--moe-ffn", str(args.moe_ffn), *extra], args.timeout)
     if "error" in record:
         return record
     return {"ms": record["ms"], "footprint_mib": record["footprint_mib"], "capture_s": record.get("capture_s"),

@@ -84,7 +84,7 @@ class _Refusals:
         self.replaced: list[tuple[Any, str, Callable]] = []
         self.raised: list[HostSyncError] = []
 
-    def open(self, name: str) -> int:
+    def open(self) -> int:
         with self.lock:
             if self.windows == 0:
                 for where, attribute, label in _WAITS:
@@ -133,7 +133,7 @@ def waits_refused(name: str) -> Iterator[None]:
     current stream captures raises :class:`HostSyncError` before CUDA sees it (the capture
     stays valid); one the body caught and went on from is raised when the window closes."""
     token = _NAME.set(name)
-    seen = _REFUSALS.open(name)
+    seen = _REFUSALS.open()
     try:
         yield
         caught = _REFUSALS.raised[seen:]

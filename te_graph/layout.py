@@ -304,4 +304,3 @@ class OutputLayout:
         if self.flat_tuple:
             return tuple(leaves)
         return pytree.tree_unflatten(leaves, self.spec)
-

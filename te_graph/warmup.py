@@ -166,8 +166,11 @@ class _WarmupRegions:
 
 
 def _backward(spec: GraphSpec, stand_ins: StandIns, outputs: Any, device, tracker, delayed: tuple,
-              known: Optional[DelayedWgrad]) -> tuple:
-    """The backward, and the weight-gradient pass of modules that delay it (``wgrad``)."""
+              known: Optional[DelayedWgrad]) -> tuple[tuple[int, ...], Optional[StreamUse], Optional[DelayedWgrad],
+                                                      frozenset, frozenset]:
+    """The backward, and the weight-gradient pass of modules that delay it (``wgrad``): the
+    unused inputs, the streams drawn from, what the weight-gradient pass set, the parameters
+    it gave no gradient, and those whose gradient a kernel accumulated into main_grad."""
     out = differentiable(outputs)
     grads = [torch.zeros_like(o) for o in out]
     draws = BackwardDraws(rng.live_stream_generators(tracker, device)) if device is not None else None

@@ -193,7 +193,7 @@ def _check_layer(layer: torch.nn.Module) -> None:
             f"te_graph.graph_dropless_experts: the {name} module has a forward of its own, set on the instance "
             "(torch.compile, an adapter, a wrapper); its graphs would run the class's forward and its eager calls "
             "that one. Graph the experts before replacing their forward, or leave them eager.")
-    if getattr(experts, "num_local_experts", None) is None or not any(True for _ in experts.parameters()):
+    if getattr(experts, "num_local_experts", None) is None or next(experts.parameters(), None) is None:
         raise ValueError(f"te_graph.graph_dropless_experts: {name} is not a megatron-core experts module "
                          "(no num_local_experts or no parameters).")
     unsupported = [
