@@ -57,6 +57,8 @@ class RunConfig:
     vocab: int = 1024
     dropout: float = 0.1
     fp8: str = ""  # "" (bf16), "delayed" or "tensorwise"
+    fp8_amax_history: int = 1  # delayed scaling: amax history length and how the scale reads it
+    fp8_amax_algo: str = "most_recent"  # or "max"
     fusion: bool = True  # gradient_accumulation_fusion (TE's fuse_wgrad_accumulation)
     recompute: str = "none"  # "none", "full" (whole layers, one at a time) or "selective" (core attention)
     optimizer: str = "sgd"  # "sgd": plain SGD on main_grad; "megatron": get_megatron_optimizer's Adam
@@ -124,7 +126,10 @@ def _build(cfg: RunConfig) -> tuple[list, Any, Any]:
     # Seed before building: Megatron's TE layers take the tracker when they are made.
     model_parallel_cuda_manual_seed(cfg.seed, te_rng_tracker=True, force_reset_rng=True)
     torch.manual_seed(cfg.seed)
-    fp8 = {"fp8": "hybrid", "fp8_recipe": cfg.fp8} if cfg.fp8 else {}
+    fp8 = {}
+    if cfg.fp8:
+        fp8 = dict(fp8="hybrid", fp8_recipe=cfg.fp8, fp8_amax_history_len=cfg.fp8_amax_history,
+                   fp8_amax_compute_algo=cfg.fp8_amax_algo)
     moe = {}
     if cfg.experts:
         moe = dict(num_moe_experts=cfg.experts, moe_router_topk=cfg.topk, moe_grouped_gemm=True,

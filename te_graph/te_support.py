@@ -226,13 +226,24 @@ class FP8Capture:
             te_graph.restore_fp8_tensors(self.modules, saved)
             te_graph.set_capture_end()
 
-    def autocast(self, enabled: bool) -> Any:
+    @contextlib.contextmanager
+    def autocast(self, enabled: bool) -> Iterator[None]:
         """The context one callable's forward runs in while graphs are made."""
         te = _te()
-        return te.autocast(
+        from transformer_engine.pytorch.quantization import FP8GlobalStateManager  # noqa: PLC0415
+
+        with te.autocast(
             enabled=enabled, calibrating=self.options.calibrating, recipe=self.options.recipe,
             amax_reduction_group=self.options.amax_reduction_group, _graph=True,
-        )
+        ):
+            # No module here is the autocast's "first FP8 module": te_graph decides that at
+            # each call (FP8Replay) and runs the backward amax reduction itself. TE 2.20's
+            # GroupedLinear lacks the is_graph_capturing() guard its other modules have
+            # (grouped_linear.py, "reduce_and_update_bwd_fp8_tensors"), so it would run that
+            # reduction in warmup and capture it into its backward graph. Taking the flag
+            # here (the autocast restores it on exit) keeps it out, for every module.
+            FP8GlobalStateManager.is_first_fp8_module()
+            yield
 
 
 @contextlib.contextmanager

@@ -11,7 +11,8 @@ bitwise. The setups: dropout, gradient-accumulation fusion, FP8, full and select
 Megatron's optimizer, the distributed optimizer with overlapped parameter gathers (DDP's
 forward pre-hooks run by the helper before each replay), and megatron-core's MoE layers:
 drop-and-pad graphed whole, dropless graphed up to token dispatch (bf16, FP8, full recompute),
-dropless refused by name when graphed whole, and dropless experts in capacity graphs. Needs a GPU, megatron-core 0.19 and Transformer Engine 2.20; skipped otherwise.
+dropless refused by name when graphed whole, and dropless experts in capacity graphs (bf16,
+FP8 delayed and current scaling). Needs a GPU, megatron-core 0.19 and Transformer Engine 2.20; skipped otherwise.
 """
 from __future__ import annotations
 
@@ -117,26 +118,34 @@ def _max_difference(got: dict, want: dict) -> float:
     return max((a.float() - b.float()).abs().max().item() for a, b in pairs)
 
 
-def test_dropless_experts_in_capacity_graphs_equal_their_eager_replay(tmp_path):
-    """Dropless routing with the experts in graphs, one per token capacity (1 and 1.25 times
-    the even share; a call beyond runs eagerly): bitwise equal to te_graph's eager replay of
-    the same padded program; against the unpadded eager experts, the difference is reported
-    (other GEMM shapes, other rounding) and bounded."""
-    records = _run(tmp_path, MOE + PARTIAL + ["--buckets", "1.0,1.25"])
+# The capacity graphs' setups: bf16, and FP8 with the capacities tight enough (0.75 and 1
+# times the even share) that some calls overflow into the eager experts after a step's first
+# microbatch (where a stale is_first_microbatch would overwrite main_grad), and a delayed-scaling
+# history long enough to show an amax reduction run twice (a history of 1 hides it).
+CAPACITY_SETUPS = {
+    "bf16": ["--buckets", "1.0,1.25"],
+    "fp8-delayed": ["--buckets", "0.75,1.0", "--fp8", "delayed"],
+    "fp8-tensorwise": ["--buckets", "0.75,1.0", "--fp8", "tensorwise"],
+    "fp8-delayed-history-16-max": ["--buckets", "0.75,1.0", "--fp8", "delayed", "--fp8-amax-history", "16",
+                                   "--fp8-amax-algo", "max"],
+}
+
+
+@pytest.mark.parametrize("setup", list(CAPACITY_SETUPS), ids=list(CAPACITY_SETUPS))
+def test_dropless_experts_in_capacity_graphs_equal_their_eager_replay(tmp_path, setup):
+    """Dropless routing with the experts in graphs, one per token capacity (a call beyond the
+    largest runs eagerly): bitwise equal to te_graph's eager replay of the same padded program
+    (losses, main_grad and weights at every step); against the unpadded eager experts, the
+    difference is reported (other GEMM shapes, other rounding) and bounded."""
+    records = _run(tmp_path, MOE + PARTIAL + CAPACITY_SETUPS[setup])
     graphed, replay, eager = records["te_graph"], records["te_graph_replay"], records["eager"]
     calls = graphed["expert_calls"]
     assert sum(calls["graphed"].values()) > 0, calls
+    if setup.startswith("fp8"):
+        assert calls["eager"] > 0, calls
     assert replay["expert_calls"] == calls
-    _assert_same(graphed, replay, "capacity graphs vs their eager replay")
+    _assert_same(graphed, replay, f"{setup}: capacity graphs vs their eager replay")
     difference = _max_difference(graphed, eager)
-    print(f"capacity graphs vs unpadded eager: max difference {difference:.3g}; calls {calls}")
+    print(f"{setup}: capacity graphs vs unpadded eager: max difference {difference:.3g}; calls {calls}")
     for a, b in zip(graphed["losses"], eager["losses"]):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
-
-
-@pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
-def test_dropless_experts_in_capacity_graphs_refuse_fp8(tmp_path, recipe):
-    done = _example(tmp_path, MOE + PARTIAL + ["--fp8", recipe, "--buckets", "1.0"], graphs="te_graph")
-    assert done.returncode != 0
-    assert (f"ValueError: te_graph.graph_dropless_experts: the layers train in FP8 (fp8_recipe='{recipe}'), which "
-            "experts graphed per token capacity do not support yet") in done.stderr, done.stderr[-3000:]

@@ -126,7 +126,7 @@ def test_a_failure_on_a_later_layer_leaves_every_layer_as_it_was():
 
 @pytest.mark.parametrize("setup, message", [
     ("instance-forward", "the Experts module has a forward of its own, set on the instance"),
-    ("fp8", "the layers train in FP8 or FP4 (fp8_recipe='tensorwise')"),
+    ("fp4", "the layers train in FP4 (fp4_recipe='nvfp4')"),
     ("drop-and-pad", "the layers route with a capacity factor (drop-and-pad)"),
     ("delayed-wgrad", "the experts delay their weight gradients (delay_wgrad_compute)"),
 ])
@@ -135,8 +135,8 @@ def test_layers_it_cannot_serve_exactly_are_refused_before_any_is_graphed(setup,
     last = model[1]
     if setup == "instance-forward":
         last.experts.forward = last.experts.forward  # a bound method set on the instance
-    elif setup == "fp8":
-        last.config.fp8, last.config.fp8_recipe = "hybrid", "tensorwise"
+    elif setup == "fp4":
+        last.config.fp4, last.config.fp4_recipe = "e2m1", "nvfp4"
     elif setup == "drop-and-pad":
         last.config.moe_expert_capacity_factor = 1.0
     else:

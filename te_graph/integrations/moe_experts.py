@@ -14,6 +14,11 @@ layout, run without graphs). Against the unpadded eager experts, the real rows s
 shapes (``C`` rows per expert instead of the count), so cuBLAS may pick other kernels and
 round differently; benchmarks/bench_moe.py and tests/test_megatron_path.py report by how much.
 
+FP8 (megatron-core's ``fp8`` config, any recipe TE graphs): the graphs are made with the
+layer's recipe and amax reduction group, as Megatron's own autocast uses them, and each call
+does around its replay the per-call Python state the eager TE wrappers would have changed
+(the weight-cache flag, ``is_first_microbatch``): see :meth:`DroplessExperts.forward`.
+
 The experts module keeps its identity, parameters and names: only its ``forward`` is
 replaced on the instance, and :meth:`DroplessExperts.remove` puts it back.
 """
@@ -25,6 +30,8 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from checkpointing.recompute_state import cuda_stream_capturing
+
+from ..te_support import FP8_ARGUMENTS
 
 __all__ = ["DroplessExperts", "graph_dropless_experts", "capacities_for"]
 
@@ -55,12 +62,13 @@ class DroplessExperts:
     the count of calls served by each capacity's graph and eagerly."""
 
     def __init__(self, experts: torch.nn.Module, graphed: torch.nn.Module, capacities: Sequence[int],
-                 num_experts: int, dtypes: tuple):
+                 num_experts: int, dtypes: tuple, fp8: bool):
         self.experts = experts
         self.graphed = graphed
         self.capacities = tuple(sorted(capacities))
         self.num_experts = num_experts
         self.dtypes = dtypes  # (tokens, probabilities) as captured
+        self.fp8 = fp8  # graphed with FP8: each replay sets TE's weight-cache flag
         self.calls = {c: 0 for c in self.capacities}
         self.eager_calls = 0
         # megatron-core's TE wrappers keep an ``is_first_microbatch`` flag that their eager
@@ -90,12 +98,20 @@ class DroplessExperts:
         rows = rows.to(hidden.device, non_blocking=True)
         padded = hidden.new_zeros(self.num_experts * capacity, hidden.shape[-1]).index_copy(0, rows, hidden)
         padded_probs = probs.new_zeros(self.num_experts * capacity, *probs.shape[1:]).index_copy(0, rows, probs)
+        flags = self._first_microbatch_flags
+        if self.fp8:
+            # The captured weight casts read TE's device flag "skip the weight update": set it
+            # as the eager wrappers' is_first_microbatch would decide (quantize the weights at
+            # a step's first microbatch, reuse them after), whoever else set it last (one
+            # fill kernel). No flag at all: TE quantizes at every call, as it does here.
+            first = flags[0].is_first_microbatch if flags else True
+            _fp8_state().set_skip_fp8_weight_update_tensor(first is False)
         output = self.graphed(padded, padded_probs)
-        # A replay runs no Python: clear the flag as the eager forward would, so that a later
-        # eager call of this step does not take itself for the step's first (under FP8 that
-        # call would overwrite main_grad instead of adding to it; source reading, not yet
-        # measured: FP8 stays refused, see _check_layer).
-        for module in self._first_microbatch_flags:
+        # A replay runs no Python: clear the flag as the eager forward does, so that a later
+        # eager call of this step does not take itself for the step's first. Under FP8 that
+        # call would overwrite main_grad instead of adding to it (megatron-core sets the flag
+        # again at each step's first microbatch, MegatronModule.set_is_first_microbatch).
+        for module in flags:
             module.is_first_microbatch = False
         return output.index_select(0, rows), None
 
@@ -128,8 +144,8 @@ def graph_dropless_experts(
     token ``capacities`` (rows per local expert; see :func:`capacities_for`); the graphs of
     one layer share a pool (one capacity is in flight at a time), each layer has its own.
     Call it outside a training step, on a model in training mode; ``graph_options`` go to
-    ``make_graphed_callables`` (``num_warmup_iters``). Layers trained in FP8 are refused for
-    now (their graphs drift from eager replay, measured on an H100). ``probs_dtype``: the
+    ``make_graphed_callables`` (``num_warmup_iters``; FP8 arguments, by default the layer's
+    own: see :func:`_fp8_arguments`). Layers trained in FP4 are refused. ``probs_dtype``: the
     routing probabilities' dtype, by default megatron-core's ``moe_router_dtype`` where set,
     else the parameters' dtype.
     Returns one :class:`DroplessExperts` per layer (``remove()`` undoes it)."""
@@ -176,10 +192,44 @@ def _install(layer: torch.nn.Module, largest_first: list[int], probs_dtype: Opti
         return (torch.zeros(rows, hidden_size, device=device, dtype=dtype, requires_grad=True),
                 torch.zeros(rows, device=device, dtype=probs, requires_grad=True))
 
+    fp8 = _fp8_arguments(layer) if not any(name in graph_options for name in FP8_ARGUMENTS) else {}
     graphed = te_graph.make_graphed_callables(
         padded, sample(largest_first[0]), more_shapes=[sample(c) for c in largest_first[1:]],
-        eager_replay=eager_replay, **graph_options)
-    return DroplessExperts(experts, graphed, largest_first, num_experts, (dtype, probs))
+        eager_replay=eager_replay, **fp8, **graph_options)
+    enabled = fp8.get("enabled", graph_options.get("enabled", graph_options.get("fp8_enabled", False)))
+    return DroplessExperts(experts, graphed, largest_first, num_experts, (dtype, probs), bool(enabled))
+
+
+def _fp8_state() -> Any:
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager  # noqa: PLC0415
+
+    return FP8GlobalStateManager
+
+
+def _fp8_arguments(layer: torch.nn.Module) -> dict:
+    """The FP8 arguments of the layer's experts' graphs: what megatron-core's own autocast
+    around the layer uses (``fp8_utils.get_fp8_context``: the config's recipe, the amax
+    reduction group, bf16 for the first and last layers where asked); empty without FP8."""
+    config = layer.config
+    if not getattr(config, "fp8", None):
+        return {}
+    from megatron.core import parallel_state  # noqa: PLC0415
+    from megatron.core.fp8_utils import get_fp8_recipe, is_first_last_bf16_layer  # noqa: PLC0415
+
+    number = getattr(layer, "layer_number", None)
+    if is_first_last_bf16_layer(config, number - 1 if number is not None else -1):
+        return {"enabled": False}
+    group = None
+    if parallel_state.model_parallel_is_initialized():
+        group = parallel_state.get_amax_reduction_group(
+            with_context_parallel=True, tp_only_amax_red=getattr(config, "tp_only_amax_red", False))
+    # The captured weight casts read TE's "skip the weight update" device flag only where it
+    # exists at capture (TE 2.20 GroupedLinear.forward); without it they would keep the FP8
+    # weights of capture time. Create it (False: quantize), as TE's graphs with weight
+    # caching do; each call sets it (DroplessExperts.forward).
+    if _fp8_state().get_skip_fp8_weight_update_tensor() is None:
+        _fp8_state().set_skip_fp8_weight_update_tensor(False)
+    return {"enabled": True, "recipe": get_fp8_recipe(config), "amax_reduction_group": group}
 
 
 def _check_layer(layer: torch.nn.Module) -> None:
@@ -197,14 +247,10 @@ def _check_layer(layer: torch.nn.Module) -> None:
         raise ValueError(f"te_graph.graph_dropless_experts: {name} is not a megatron-core experts module "
                          "(no num_local_experts or no parameters).")
     unsupported = [
-        (getattr(config, "fp8", None) or getattr(config, "fp4", None),
-         # Measured on an H100 (TE 2.20, megatron-core 0.19.2, tests/test_megatron_path.py):
-         # under FP8, delayed and current scaling alike, the capacity graphs drift from their
-         # eager replay (about 1e-5 in the loss) from the third graphed step on, where some
-         # calls ran the experts eagerly between replays. FP4 pads as FP8 does: not tried.
-         f"the layers train in FP8 or FP4 (fp8_recipe={getattr(config, 'fp8_recipe', None)!r}): the capacity "
-         "graphs were measured to drift from eager replay a few steps after graphing under FP8. Train these "
-         "layers in bf16, or leave the experts eager (the layers' graphs up to token dispatch support FP8)"),
+        (getattr(config, "fp4", None),
+         # FP4 needs a Blackwell GPU; its padding and recipe were never run here.
+         f"the layers train in FP4 (fp4_recipe={getattr(config, 'fp4_recipe', None)!r}), which was never tried "
+         "with capacity graphs. Leave the experts eager (the layers' graphs up to token dispatch support it)"),
         (getattr(config, "moe_expert_capacity_factor", None) is not None,
          "the layers route with a capacity factor (drop-and-pad), whose experts already get static shapes: "
          "graph the whole layer instead (an empty cuda_graph_modules)"),
