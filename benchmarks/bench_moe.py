@@ -10,8 +10,9 @@ dispatcher, aux-loss load balancing), trained through Megatron's schedule and DD
   (``cuda_graph_modules=["attn", "moe_router", "moe_preprocess"]``, Megatron's per-layer
   scheme for dropless MoE); dispatch, the routed experts and the combine run eagerly.
 * ``te_graph buckets``: as ``te_graph partial``, and the routed experts in graphs too, one per
-  token capacity (1, 1.25, 1.5 and 2 times the even share per expert; a call beyond runs
-  eagerly): ``te_graph.integrations.moe_experts``. Dropless: nothing is dropped.
+  token capacity (1, 1.25, 1.5 and 2 times the even share per expert; a call beyond runs the
+  padded program eagerly at a capacity rounded up to 128 rows, or with ``eager overflow``
+  the experts' own forward): ``te_graph.integrations.moe_experts``. Dropless: nothing is dropped.
   ``te_graph buckets 4x`` adds 3 and 4 times (with top-2 of 8 experts, 4 times the even
   share is every token: no call runs eagerly), for a larger pool.
 * ``eager drop-pad`` / ``te_graph drop-pad`` / ``TE drop-pad``: drop-and-pad routing at
@@ -40,6 +41,7 @@ ROWS = {
     "te_graph partial": ("te_graph", _PARTIAL),
     "TE partial": ("te", _PARTIAL),
     "te_graph buckets": ("te_graph", _PARTIAL + ["--buckets", "1.0,1.25,1.5,2.0"]),
+    "te_graph buckets eager overflow": ("te_graph", _PARTIAL + ["--buckets", "1.0,1.25,1.5,2.0", "--overflow", "eager"]),
     "te_graph buckets 4x": ("te_graph", _PARTIAL + ["--buckets", "1.0,1.25,1.5,2.0,3.0,4.0"]),
     "eager drop-pad": ("eager", _DROP_PAD),
     "te_graph drop-pad": ("te_graph", _DROP_PAD),
@@ -98,10 +100,10 @@ def main(argv: list[str] | None = None) -> int:
             if "ms" in result:
                 share = "?" if result["tokens_dropped"] is None else f"{100 * result['tokens_dropped']:.1f} %"
                 calls = f"  expert calls {result['expert_calls']}" if result.get("expert_calls") else ""
-                print(f"{precision:9} {row:18} {result['ms']:8.2f} ms  {result['footprint_mib']:7.0f} MiB  "
+                print(f"{precision:9} {row:31} {result['ms']:8.2f} ms  {result['footprint_mib']:7.0f} MiB  "
                       f"capture {result['capture_s'] or 0:5.2f} s  dropped {share}{calls}", flush=True)
             else:
-                print(f"{precision:9} {row:18} failed: {result['error'][:300]}", flush=True)
+                print(f"{precision:9} {row:31} failed: {result['error'][:300]}", flush=True)
             save(args.out, results)
     return 0
 

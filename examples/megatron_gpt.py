@@ -79,6 +79,7 @@ class RunConfig:
     # Dropless experts in graphs (te_graph rows): token capacities per expert, as multiples of
     # the even share (comma-separated, e.g. "1.25,1.5,2"); "": the experts run eagerly.
     buckets: str = ""
+    overflow: str = "padded"  # above the largest capacity: "padded" (eagerly, 128-row capacities) or "eager"
     # "eager", "te_graph" (the helper, te_graph's graphs), "te_graph_replay" (te_graph's eager
     # replay) or "te" (the helper, Transformer Engine's graphs)
     graphs: str = "te_graph"
@@ -248,7 +249,7 @@ def train(cfg: RunConfig) -> dict:
 
                     capacities = capacities_for(cfg.seq * cfg.micro_batch, cfg.topk, cfg.experts,
                                                 [float(f) for f in cfg.buckets.split(",")])
-                    dropless = graph_dropless_experts(model[0], capacities)
+                    dropless = graph_dropless_experts(model[0], capacities, overflow=cfg.overflow)
                 if cfg.overlap_param_gather:
                     model[0].enable_forward_pre_hook()
                     helper.cuda_graph_set_manual_hooks()  # DDP's pre-hooks, run before each replay

@@ -238,10 +238,11 @@ class FP8Capture:
         ):
             # No module here is the autocast's "first FP8 module": te_graph decides that at
             # each call (FP8Replay) and runs the backward amax reduction itself. TE 2.20's
-            # GroupedLinear lacks the is_graph_capturing() guard its other modules have
-            # (grouped_linear.py, "reduce_and_update_bwd_fp8_tensors"), so it would run that
-            # reduction in warmup and capture it into its backward graph. Taking the flag
-            # here (the autocast restores it on exit) keeps it out, for every module.
+            # GroupedLinear, unlike its other modules, does not check is_graph_capturing()
+            # before that reduction (grouped_linear.py, "reduce_and_update_bwd_fp8_tensors").
+            # Not seen to change results on an H100 (tests/test_te_layers.py's GroupedLinear
+            # rows, also graphed after an eager step); taking the flag here (the autocast
+            # restores it on exit) keeps any module from acting on it.
             FP8GlobalStateManager.is_first_fp8_module()
             yield
 

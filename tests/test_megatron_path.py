@@ -118,15 +118,15 @@ def _max_difference(got: dict, want: dict) -> float:
     return max((a.float() - b.float()).abs().max().item() for a, b in pairs)
 
 
-# The capacity graphs' setups: bf16, and FP8 with the capacities tight enough (0.75 and 1
-# times the even share) that some calls overflow into the eager experts after a step's first
-# microbatch (where a stale is_first_microbatch would overwrite main_grad), and a delayed-scaling
-# history long enough to show an amax reduction run twice (a history of 1 hides it).
+# The capacity graphs' setups (1 and 1.25 times the even share: about half the calls overflow
+# into the eager experts, some after a step's first microbatch, where a stale
+# is_first_microbatch would overwrite main_grad): bf16, FP8 delayed and current scaling, and a
+# delayed-scaling history long enough to show an amax reduction run twice (1 hides it).
 CAPACITY_SETUPS = {
     "bf16": ["--buckets", "1.0,1.25"],
-    "fp8-delayed": ["--buckets", "0.75,1.0", "--fp8", "delayed"],
-    "fp8-tensorwise": ["--buckets", "0.75,1.0", "--fp8", "tensorwise"],
-    "fp8-delayed-history-16-max": ["--buckets", "0.75,1.0", "--fp8", "delayed", "--fp8-amax-history", "16",
+    "fp8-delayed": ["--buckets", "1.0,1.25", "--fp8", "delayed"],
+    "fp8-tensorwise": ["--buckets", "1.0,1.25", "--fp8", "tensorwise"],
+    "fp8-delayed-history-16-max": ["--buckets", "1.0,1.25", "--fp8", "delayed", "--fp8-amax-history", "16",
                                    "--fp8-amax-algo", "max"],
 }
 

@@ -58,11 +58,15 @@ def test_capacities_are_multiples_of_the_even_share_rounded_up_to_16_rows():
     assert capacities_for(10, 1, 2, [4.0]) == [10]  # never more than every assignment on one expert
 
 
-def test_each_call_takes_the_smallest_capacity_that_holds_it_and_trains_as_unpadded():
+@pytest.mark.parametrize("overflow", ["padded", "eager"])
+def test_each_call_takes_the_smallest_capacity_that_holds_it_and_trains_as_unpadded(overflow):
+    """Above the largest capacity (17 tokens on one expert) the padded program runs eagerly
+    at 128 rows per expert, or the experts' own forward: either way as unpadded."""
     torch.manual_seed(0)
     eager, graphed = Layer(), Layer()
     graphed.load_state_dict(eager.state_dict())
-    installed = graph_dropless_experts(graphed, [16, 8], probs_dtype=torch.float64, eager_replay=True)
+    installed = graph_dropless_experts(graphed, [16, 8], probs_dtype=torch.float64, overflow=overflow,
+                                       eager_replay=True)
     assert [d.capacities for d in installed] == [(8, 16)]
     for seed, counts in enumerate([[3, 8, 0, 5], [9, 2, 2, 16], [17, 1, 1, 1], [0, 0, 0, 1]]):
         for p in list(eager.parameters()) + list(graphed.parameters()):
@@ -91,6 +95,9 @@ def test_bad_requests_are_refused_before_anything_changes():
     with pytest.raises(ValueError, match=re.escape(
             "te_graph.graph_dropless_experts: the model holds no megatron-core MoELayer")):
         graph_dropless_experts(nn.Linear(2, 2), [8], eager_replay=True)
+    with pytest.raises(ValueError, match=re.escape(
+            "te_graph.graph_dropless_experts: overflow='drop'; use 'padded' or 'eager'.")):
+        graph_dropless_experts(layer, [8], overflow="drop", eager_replay=True)
     with pytest.raises(ValueError, match=re.escape(
             "te_graph.graph_dropless_experts: each layer's experts get a pool of their own")):
         graph_dropless_experts(layer, [8], eager_replay=True, pool=object())

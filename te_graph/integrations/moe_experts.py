@@ -7,7 +7,8 @@ captured for a few token capacities instead: per expert ``C`` rows, the real tok
 zero rows after them (largest capacity first, one pool per layer). At each call the counts pick the
 smallest capacity that holds every expert's tokens; the tokens are laid out ``C`` rows per
 expert, that graph replays and the real rows are gathered back. No token is ever dropped:
-above the largest capacity, and outside training, the experts run eagerly as before.
+above the largest capacity the same padded program runs eagerly (``overflow``), and outside
+training the experts' own forward runs.
 
 Numerics: a call equals te_graph's eager replay of the same program bitwise (the padded
 layout, run without graphs). Against the unpadded eager experts, the real rows see other GEMM
@@ -36,6 +37,7 @@ from ..te_support import FP8_ARGUMENTS
 __all__ = ["DroplessExperts", "graph_dropless_experts", "capacities_for"]
 
 _ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
+_OVERFLOW_ROWS = {"padded": 128, "eager": None}  # rows per expert the overflow capacity rounds up to
 
 
 class _Padded(torch.nn.Module):
@@ -59,12 +61,14 @@ class _Padded(torch.nn.Module):
 
 class DroplessExperts:
     """What :func:`graph_dropless_experts` installed on one experts module: its forward, and
-    the count of calls served by each capacity's graph and eagerly."""
+    the count of calls served by each capacity's graph (``calls``) and eagerly (``eager_calls``)."""
 
-    def __init__(self, experts: torch.nn.Module, graphed: torch.nn.Module, capacities: Sequence[int],
-                 num_experts: int, dtypes: tuple, fp8: bool):
+    def __init__(self, experts: torch.nn.Module, graphed: torch.nn.Module, padded: Callable,
+                 capacities: Sequence[int], num_experts: int, dtypes: tuple, fp8: bool, overflow_rows: Optional[int]):
         self.experts = experts
         self.graphed = graphed
+        self.padded = padded  # the padded program, run eagerly (above the largest capacity)
+        self.overflow_rows = overflow_rows  # None: the experts' own forward there
         self.capacities = tuple(sorted(capacities))
         self.num_experts = num_experts
         self.dtypes = dtypes  # (tokens, probabilities) as captured
@@ -81,9 +85,11 @@ class DroplessExperts:
         counts = tokens_per_expert.tolist() if isinstance(tokens_per_expert, torch.Tensor) else list(tokens_per_expert)
         largest = max(counts) if counts else 0
         capacity = next((c for c in self.capacities if c >= largest), None)
-        # Eagerly: above the largest capacity, outside training, with keywords the graphs do
-        # not take, and inside another capture (a graph cannot replay inside a capture).
-        if capacity is None or kwargs or not self.experts.training or cuda_stream_capturing():
+        # The experts' own forward: outside training, with keywords the graphs do not take,
+        # inside another capture (a graph cannot replay inside a capture), and above the
+        # largest capacity where overflow="eager".
+        if (kwargs or not self.experts.training or cuda_stream_capturing()
+                or (capacity is None and self.overflow_rows is None)):
             self.eager_calls += 1
             return type(self.experts).forward(self.experts, hidden, tokens_per_expert, probs, **kwargs)
         if (hidden.dtype, probs.dtype) != self.dtypes:
@@ -92,21 +98,29 @@ class DroplessExperts:
                 f"probabilities in {probs.dtype}, but their graphs were captured for {self.dtypes[0]} and "
                 f"{self.dtypes[1]}: pass probs_dtype={probs.dtype} to graph_dropless_experts (the "
                 "probabilities' dtype is megatron-core's moe_router_dtype where set).")
-        self.calls[capacity] += 1
+        if capacity is None:
+            # Above the largest capacity: the same padded program, eagerly, at a capacity
+            # rounded up to overflow_rows, so that such calls repeat a few GEMM shapes (a GEMM
+            # shape new to cuBLASLt costs a host-side algorithm search at every call).
+            capacity = self.overflow_rows * math.ceil(largest / self.overflow_rows)
+            run, self.eager_calls = self.padded, self.eager_calls + 1
+        else:
+            run = self.graphed
+            self.calls[capacity] += 1
         # Row of each token in the padded layout: expert e's i-th token goes to e * C + i.
         rows = torch.cat([torch.arange(c, dtype=torch.long) + e * capacity for e, c in enumerate(counts)])
         rows = rows.to(hidden.device, non_blocking=True)
         padded = hidden.new_zeros(self.num_experts * capacity, hidden.shape[-1]).index_copy(0, rows, hidden)
         padded_probs = probs.new_zeros(self.num_experts * capacity, *probs.shape[1:]).index_copy(0, rows, probs)
         flags = self._first_microbatch_flags
-        if self.fp8:
+        if self.fp8 and run is self.graphed:
             # The captured weight casts read TE's device flag "skip the weight update": set it
             # as the eager wrappers' is_first_microbatch would decide (quantize the weights at
             # a step's first microbatch, reuse them after), whoever else set it last (one
             # fill kernel). No flag at all: TE quantizes at every call, as it does here.
             first = flags[0].is_first_microbatch if flags else True
             _fp8_state().set_skip_fp8_weight_update_tensor(first is False)
-        output = self.graphed(padded, padded_probs)
+        output = run(padded, padded_probs)
         # A replay runs no Python: clear the flag as the eager forward does, so that a later
         # eager call of this step does not take itself for the step's first. Under FP8 that
         # call would overwrite main_grad instead of adding to it (megatron-core sets the flag
@@ -137,6 +151,7 @@ def graph_dropless_experts(
     capacities: Sequence[int],
     *,
     probs_dtype: Optional[torch.dtype] = None,
+    overflow: str = "padded",
     eager_replay: Optional[bool] = None,
     **graph_options: Any,
 ) -> list[DroplessExperts]:
@@ -147,7 +162,11 @@ def graph_dropless_experts(
     ``make_graphed_callables`` (``num_warmup_iters``; FP8 arguments, by default the layer's
     own: see :func:`_fp8_arguments`). Layers trained in FP4 are refused. ``probs_dtype``: the
     routing probabilities' dtype, by default megatron-core's ``moe_router_dtype`` where set,
-    else the parameters' dtype.
+    else the parameters' dtype. ``overflow``: a call above the largest capacity runs the
+    padded program eagerly at a capacity rounded up to 128 rows ("padded": a few GEMM shapes
+    that cuBLASLt has met before, where the counts' own shapes would cost a host-side
+    algorithm search per GEMM at every call; more GEMM rows), or the experts' own forward
+    ("eager": the unpadded GEMMs).
     Returns one :class:`DroplessExperts` per layer (``remove()`` undoes it)."""
     if not capacities or any(int(c) <= 0 for c in capacities):
         raise ValueError(f"te_graph.graph_dropless_experts: capacities must be positive row counts, got {list(capacities)}.")
@@ -155,6 +174,8 @@ def graph_dropless_experts(
     if not layers:
         raise ValueError("te_graph.graph_dropless_experts: the model holds no megatron-core MoELayer (a module "
                          "with .experts and .token_dispatcher).")
+    if overflow not in _OVERFLOW_ROWS:
+        raise ValueError(f"te_graph.graph_dropless_experts: overflow={overflow!r}; use 'padded' or 'eager'.")
     if "pool" in graph_options:
         raise ValueError("te_graph.graph_dropless_experts: each layer's experts get a pool of their own (their "
                          "graphs replay in another order than they would be captured in across layers); leave "
@@ -165,7 +186,7 @@ def graph_dropless_experts(
     installed: list[DroplessExperts] = []
     try:
         for layer in layers:
-            installed.append(_install(layer, wanted, probs_dtype, eager_replay, graph_options))
+            installed.append(_install(layer, wanted, probs_dtype, _OVERFLOW_ROWS[overflow], eager_replay, graph_options))
     except BaseException:
         for done in installed:  # a failure leaves the model as it was
             done.remove()
@@ -174,7 +195,7 @@ def graph_dropless_experts(
 
 
 def _install(layer: torch.nn.Module, largest_first: list[int], probs_dtype: Optional[torch.dtype],
-             eager_replay: Optional[bool], graph_options: dict) -> DroplessExperts:
+             overflow_rows: Optional[int], eager_replay: Optional[bool], graph_options: dict) -> DroplessExperts:
     import te_graph  # noqa: PLC0415
 
     experts = layer.experts
@@ -197,7 +218,10 @@ def _install(layer: torch.nn.Module, largest_first: list[int], probs_dtype: Opti
         padded, sample(largest_first[0]), more_shapes=[sample(c) for c in largest_first[1:]],
         eager_replay=eager_replay, **fp8, **graph_options)
     enabled = fp8.get("enabled", graph_options.get("enabled", graph_options.get("fp8_enabled", False)))
-    return DroplessExperts(experts, graphed, largest_first, num_experts, (dtype, probs), bool(enabled))
+    # The padded program without graphs (graphing put the graphed callable on the instance).
+    eager_padded = _Padded.forward.__get__(padded)
+    return DroplessExperts(experts, graphed, eager_padded, largest_first, num_experts, (dtype, probs), bool(enabled),
+                           overflow_rows)
 
 
 def _fp8_state() -> Any:
