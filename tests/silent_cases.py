@@ -82,10 +82,30 @@ class Returns(Net):
         if self.what == "source":  # the output is computed from the second (MoE router probabilities)
             h = torch.tanh(self.lin1(x))
             return self.lin2(self.drop(h)), h
+        if self.what == "eigh":  # both outputs of one node: the eigenvalues used, the eigenvectors not
+            y = self.body(x)
+            values, vectors = torch.linalg.eigh(y.transpose(-1, -2) @ y)
+            return y * values.mean(-1).view(-1, 1, 1), vectors
+        if self.what == "behind-function":  # computed from the second through a Function giving it no grad
+            d = self.lin1(x) - self.lin1(x).detach()
+            second = torch.sqrt(d * d)  # zeros pushed back here would be NaN (sqrt at 0)
+            return _NoGrad.apply(second) + self.body(x), second
         y = self.body(x)
         second = {"input": lambda: x, "input-view": lambda: x[..., : H // 2], "same": lambda: y,
                   "param-view": lambda: self.lin1.weight.t(), "sqrt": lambda: torch.sqrt(self.aux(x))}
         return y, second[self.what]()
+
+
+class _NoGrad(torch.autograd.Function):
+    """Hands back no gradient (a stop-gradient written as a Function)."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return t * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return None
 
 
 class Effect(Net):
@@ -428,6 +448,11 @@ GRADS = [
          build=nets(make=Returns, what="sqrt"), forward=first_outputs),
     Case("unused-source-output", "grads", "ignores a second output that the first was computed from",
          build=nets(make=Returns, what="source"), forward=first_outputs),
+    Case("unused-eigh-vectors", "grads", "uses eigh's eigenvalues and ignores its eigenvectors (a second output)",
+         build=nets(make=Returns, what="eigh"), forward=first_outputs),
+    Case("unused-output-behind-function", "grads",
+         "ignores a second output the first reaches only through a Function that gives it no gradient",
+         build=nets(make=Returns, what="behind-function"), forward=first_outputs),
     Case("autograd-grad-input", "grads", "takes torch.autograd.grad(loss, x) (params' .grad untouched)",
          backward=lambda st, loss, leaf: st.log("dloss/dx", st.autograd_grad(loss, leaf)), opt="adamw"),
     Case("backward-inputs-x", "grads", "calls loss.backward(inputs=[x])",
