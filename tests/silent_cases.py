@@ -24,6 +24,7 @@ from torch import nn
 
 import te_graph
 from checkpointing import checkpoint
+from tests.graph_helpers import NoGrad
 
 H, SEQ, B, VOCAB = 16, 8, 2, 32
 
@@ -89,23 +90,11 @@ class Returns(Net):
         if self.what == "behind-function":  # computed from the second through a Function giving it no grad
             d = self.lin1(x) - self.lin1(x).detach()
             second = torch.sqrt(d * d)  # zeros pushed back here would be NaN (sqrt at 0)
-            return _NoGrad.apply(second) + self.body(x), second
+            return NoGrad.apply(second) + self.body(x), second
         y = self.body(x)
         second = {"input": lambda: x, "input-view": lambda: x[..., : H // 2], "same": lambda: y,
                   "param-view": lambda: self.lin1.weight.t(), "sqrt": lambda: torch.sqrt(self.aux(x))}
         return y, second[self.what]()
-
-
-class _NoGrad(torch.autograd.Function):
-    """Hands back no gradient (a stop-gradient written as a Function)."""
-
-    @staticmethod
-    def forward(ctx, t):
-        return t * 2
-
-    @staticmethod
-    def backward(ctx, g):
-        return None
 
 
 class Effect(Net):

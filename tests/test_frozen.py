@@ -21,7 +21,7 @@ from torch import nn
 import rng
 import te_graph
 from te_graph import make_graphed_callables
-from tests.graph_helpers import weighted_loss
+from tests.graph_helpers import NoGrad, weighted_loss
 
 H, S, B = 8, 4, 2
 
@@ -323,18 +323,6 @@ def test_an_output_without_gradient_that_another_was_computed_from_trains_as_eag
         assert all(torch.equal(a.grad, b.grad) for a, b in zip(eager.parameters(), graphed.parameters()))
 
 
-class _NoGrad(torch.autograd.Function):
-    """Hands back no gradient (a stop-gradient written as a Function)."""
-
-    @staticmethod
-    def forward(ctx, t):
-        return t * 2
-
-    @staticmethod
-    def backward(ctx, g):
-        return None
-
-
 @pytest.mark.parametrize("kind", ["one-node-two-outputs", "path-without-gradient"])
 def test_an_output_without_gradient_that_no_used_output_feeds_is_refused(kind):
     """Where the used output's backward reaches the unused one's node but delivers it no
@@ -354,7 +342,7 @@ def test_an_output_without_gradient_that_no_used_output_feeds_is_refused(kind):
         def forward(self, x):
             d = self.lin1(x) - self.lin1(x).detach()
             s = torch.sqrt(d * d)
-            return s, _NoGrad.apply(s) + self.lin2(x)
+            return s, NoGrad.apply(s) + self.lin2(x)
 
     if kind == "one-node-two-outputs":
         m = make_graphed_callables(Eig(), (torch.randn(H, H, requires_grad=True),), eager_replay=True)
