@@ -23,25 +23,29 @@ def model_arguments(args: Any, steps: int, precision: str, dropout: float, fusio
             "--fusion", str(fusion)]
 
 
-def run_example(graphs: str, arguments: list[str], timeout: int) -> dict:
+def run_example(graphs: str, arguments: list[str], timeout: int, ranks: int = 1) -> dict:
     """The run's record for ``graphs`` (``examples.megatron_gpt.train``), with ``ms`` (the
-    median graphed step); or ``{"error": ...}`` with the run's last error lines."""
+    median graphed step; on several ranks the slowest rank's, each rank's in ``ms_per_rank``);
+    or ``{"error": ...}`` with the run's last error lines."""
+    if _ROOT not in sys.path:
+        sys.path.insert(0, _ROOT)
+    from examples.megatron_gpt import command, rank_path, timing  # noqa: PLC0415
+
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "record.pt")
-        command = [sys.executable, "-m", "examples.megatron_gpt", "--graphs", graphs, *arguments, "--out", out]
-        done = subprocess.run(command, cwd=_ROOT, capture_output=True, text=True, timeout=timeout)
+        env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+        done = subprocess.run(command(["--graphs", graphs, *arguments, "--out", out], ranks), cwd=_ROOT, env=env,
+                              capture_output=True, text=True, timeout=timeout)
         if done.returncode != 0:
             lines = (done.stdout + done.stderr).strip().splitlines()
             errors = [line for line in lines if "Error" in line] or lines[-3:]
             return {"error": " | ".join(errors[-3:])}
         import torch  # noqa: PLC0415
 
-        if _ROOT not in sys.path:
-            sys.path.insert(0, _ROOT)
-        from examples.megatron_gpt import timing  # noqa: PLC0415
-
-        record = torch.load(out)[graphs]
-        return {**record, "ms": timing(record)}
+        records = [torch.load(rank_path(out, rank, ranks))[graphs] for rank in range(ranks)]
+        per_rank = [timing(record) for record in records]
+        return {**records[0], "ms": max(per_rank), "ms_per_rank": per_rank,
+                "footprint_mib": max(record["footprint_mib"] for record in records)}
 
 
 def save(path: str | None, results: list) -> None:

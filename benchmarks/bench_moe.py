@@ -25,6 +25,12 @@ seconds, and the share of (token, expert) assignments dropped (from an eager run
 drop-and-pad setup; 0 for dropless routing)::
 
     python benchmarks/bench_moe.py --precisions bf16,delayed --steps 12 --out /tmp/moe.json
+
+``--expert-parallel 2`` runs every row under torchrun on 2 GPUs of this host, the experts
+split over them (alltoall dispatch over NCCL, data parallel, each rank its own batches); a
+row's time and footprint are its slowest rank's, each rank's median is printed beside it
+(the ranks' clocks are not aligned by a barrier: a rank's step includes waiting for the
+other at the first alltoall).
 """
 from __future__ import annotations
 
@@ -52,11 +58,13 @@ ROWS = {
 def _run(graphs: str, extra: list[str], precision: str, args: argparse.Namespace, steps: int) -> dict:
     record = run_example(graphs, [
         *model_arguments(args, steps, precision, args.dropout, fusion=1), "--experts", str(args.experts),
-        "--topk", str(args.topk), "--moe-ffn", str(args.moe_ffn), *extra], args.timeout)
+        "--topk", str(args.topk), "--moe-ffn", str(args.moe_ffn), "--expert-parallel", str(args.expert_parallel),
+        *extra], args.timeout, ranks=args.expert_parallel)
     if "error" in record:
         return record
-    return {"ms": record["ms"], "footprint_mib": record["footprint_mib"], "capture_s": record.get("capture_s"),
-            "tokens_dropped": record.get("tokens_dropped"), "expert_calls": record.get("expert_calls")}
+    return {"ms": record["ms"], "ms_per_rank": record["ms_per_rank"], "footprint_mib": record["footprint_mib"],
+            "capture_s": record.get("capture_s"), "tokens_dropped": record.get("tokens_dropped"),
+            "expert_calls": record.get("expert_calls")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--topk", type=int, default=2)
     p.add_argument("--moe-ffn", type=int, default=2816)
+    p.add_argument("--expert-parallel", type=int, default=1, help="ranks (GPUs) the experts are split over")
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--timeout", type=int, default=600)
     p.add_argument("--out", default=None)
@@ -83,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown rows {unknown}; choose from {list(ROWS)}")
     print(f"GPTModel (TE spec), {args.layers} MoE layers: {args.experts} experts, top-{args.topk}, h {args.hidden}, "
           f"expert ffn {args.moe_ffn}, s {args.seq}, micro-batch {args.micro_batch}, {args.microbatches} microbatches, "
-          f"dropout {args.dropout}; ms per step (median), footprint MiB, capture s, token assignments dropped")
+          f"dropout {args.dropout}, expert parallel {args.expert_parallel}; ms per step (median), footprint MiB, "
+          "capture s, token assignments dropped")
     results = []
     for precision in args.precisions.split(","):
         dropped = None
@@ -100,8 +110,10 @@ def main(argv: list[str] | None = None) -> int:
             if "ms" in result:
                 share = "?" if result["tokens_dropped"] is None else f"{100 * result['tokens_dropped']:.1f} %"
                 calls = f"  expert calls {result['expert_calls']}" if result.get("expert_calls") else ""
+                ranks = ("  per rank " + " / ".join(f"{ms:.2f}" for ms in result["ms_per_rank"])
+                         if len(result["ms_per_rank"]) > 1 else "")
                 print(f"{precision:9} {row:31} {result['ms']:8.2f} ms  {result['footprint_mib']:7.0f} MiB  "
-                      f"capture {result['capture_s'] or 0:5.2f} s  dropped {share}{calls}", flush=True)
+                      f"capture {result['capture_s'] or 0:5.2f} s  dropped {share}{calls}{ranks}", flush=True)
             else:
                 print(f"{precision:9} {row:31} failed: {result['error'][:300]}", flush=True)
             save(args.out, results)

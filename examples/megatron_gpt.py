@@ -10,6 +10,13 @@ layers). One process, one GPU (an NCCL group of one rank)::
 
     python -m examples.megatron_gpt --graphs eager,te_graph --dropout 0.1 --out /tmp/run.pt
 
+or one process per GPU under torchrun, data parallel, with ``--expert-parallel N`` splitting
+the experts over N of the ranks (each rank trains on batches of its own; ``--out`` gets the
+rank before its suffix, ``run.rank1.pt``)::
+
+    torchrun --nproc-per-node 2 -m examples.megatron_gpt --experts 4 --expert-parallel 2 \
+        --graph-modules attn,moe_router,moe_preprocess --out /tmp/run.pt
+
 What it does, in Megatron's order: seed (TE's RNG tracker, before the model is built),
 build GPTModel with the TE layer spec (bf16, one ``main_grad`` buffer through DDP), train
 ``--warmup-steps`` steps eagerly, make the graphs with the helper, train on. Each step:
@@ -37,6 +44,7 @@ import contextlib
 import os
 import socket
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Iterator
@@ -71,6 +79,7 @@ class RunConfig:
     topk: int = 2
     moe_ffn: int = 0  # the experts' hidden size (0: 4 * hidden)
     capacity: float = 0.0  # 0: dropless; else drop-and-pad at this capacity factor
+    expert_parallel: int = 1  # experts split over this many ranks (torchrun; alltoall dispatch over NCCL)
     aux_loss: float = 1e-2
     # The helper's cuda_graph_modules, comma-separated ("": the whole layer), for example
     # "attn,moe_router,moe_preprocess": the graphs end before token dispatch, which runs eagerly.
@@ -89,9 +98,10 @@ class RunConfig:
     lr: float = 1e-3
 
 
-def setup_process() -> None:
-    """One NCCL rank on the current GPU, Megatron's parallel state and microbatch
-    calculator; idempotent."""
+def setup_process(expert_parallel: int = 1) -> None:
+    """The NCCL group (one rank on GPU 0, or torchrun's ranks, one GPU each), Megatron's
+    parallel state (data parallel, experts split over ``expert_parallel`` ranks);
+    idempotent."""
     from megatron.core import parallel_state  # noqa: PLC0415
 
     if not torch.distributed.is_initialized():
@@ -102,10 +112,16 @@ def setup_process() -> None:
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-        torch.cuda.set_device(0)
-        torch.distributed.init_process_group("nccl", rank=0, world_size=1)
+        rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        torch.distributed.init_process_group("nccl", rank=rank, world_size=world)
+    world = torch.distributed.get_world_size()
+    if world % expert_parallel:
+        raise ValueError(f"--expert-parallel {expert_parallel} does not divide the {world} ranks.")
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1)
+        parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=expert_parallel)
+    elif parallel_state.get_expert_model_parallel_world_size() != expert_parallel:
+        raise ValueError("setup_process: Megatron's parallel state was made for another expert parallel size.")
 
 
 def _build(cfg: RunConfig) -> tuple[list, Any, Any]:
@@ -134,6 +150,7 @@ def _build(cfg: RunConfig) -> tuple[list, Any, Any]:
     moe = {}
     if cfg.experts:
         moe = dict(num_moe_experts=cfg.experts, moe_router_topk=cfg.topk, moe_grouped_gemm=True,
+                   expert_model_parallel_size=cfg.expert_parallel,
                    moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=cfg.aux_loss,
                    moe_ffn_hidden_size=cfg.moe_ffn or 4 * cfg.hidden)
         if cfg.capacity:
@@ -185,8 +202,9 @@ def _build(cfg: RunConfig) -> tuple[list, Any, Any]:
 
 
 def _batches(cfg: RunConfig) -> Iterator[dict]:
-    """Random token batches with a causal mask, from a generator of their own."""
-    g = torch.Generator(device="cuda").manual_seed(cfg.seed + 1)
+    """Random token batches with a causal mask, from a generator of their own (each
+    data-parallel rank its own batches)."""
+    g = torch.Generator(device="cuda").manual_seed(cfg.seed + 1 + 1000 * torch.distributed.get_rank())
     positions = torch.arange(cfg.seq, device="cuda").expand(cfg.micro_batch, cfg.seq)
     mask = torch.ones(cfg.seq, cfg.seq, dtype=torch.bool, device="cuda").triu(1)
     mask = mask[None, None].expand(cfg.micro_batch, 1, cfg.seq, cfg.seq).contiguous()
@@ -216,7 +234,9 @@ def train(cfg: RunConfig) -> dict:
     if cfg.overlap_param_gather and not cfg.dist_opt:
         raise ValueError("--overlap-param-gather needs --dist-opt 1 (DDP overlaps the all-gathers of the "
                          "distributed optimizer's parameter shards).")
-    setup_process()
+    if cfg.expert_parallel > 1 and not cfg.experts:
+        raise ValueError("--expert-parallel splits the experts over ranks: it needs --experts.")
+    setup_process(cfg.expert_parallel)
     integration.disable()
     if cfg.graphs in ("te_graph", "te_graph_replay"):
         integration.enable()
@@ -247,7 +267,8 @@ def train(cfg: RunConfig) -> dict:
                 if cfg.buckets and cfg.graphs != "te":
                     from te_graph.integrations.moe_experts import capacities_for, graph_dropless_experts  # noqa: PLC0415
 
-                    capacities = capacities_for(cfg.seq * cfg.micro_batch, cfg.topk, cfg.experts,
+                    # An expert's rank receives tokens from every rank of its expert-parallel group.
+                    capacities = capacities_for(cfg.seq * cfg.micro_batch * cfg.expert_parallel, cfg.topk, cfg.experts,
                                                 [float(f) for f in cfg.buckets.split(",")])
                     dropless = graph_dropless_experts(model[0], capacities, overflow=cfg.overflow)
                 if cfg.overlap_param_gather:
@@ -378,6 +399,24 @@ def timing(record: dict) -> float:
     return statistics.median(graphed or record["step_ms"])
 
 
+def command(arguments: list[str], ranks: int = 1) -> list[str]:
+    """The command line that runs this example with ``arguments`` in a process of its own,
+    or under torchrun on ``ranks`` GPUs of this host (run it from the repository's root)."""
+    if ranks == 1:
+        return [sys.executable, "-m", "examples.megatron_gpt", *arguments]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+            "-m", "examples.megatron_gpt", *arguments]
+
+
+def rank_path(path: str, rank: int, world: int) -> str:
+    """Where rank ``rank`` of ``world`` saves the records of ``--out path``: ``path`` itself
+    on one rank, else with the rank before the suffix (``run.pt`` -> ``run.rank1.pt``)."""
+    if world == 1:
+        return path
+    stem, suffix = os.path.splitext(path)
+    return f"{stem}.rank{rank}{suffix}"
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--graphs", default="eager,te_graph", help="comma-separated: eager, te_graph, te")
@@ -391,13 +430,14 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     base = RunConfig(**{k: getattr(args, k) for k in asdict(RunConfig()) if k != "graphs"})
     records = {}
+    setup_process(base.expert_parallel)  # this rank's GPU is current before _side_stream makes a stream
     for graphs in args.graphs.split(","):
         with _side_stream() if graphs == "te" else contextlib.nullcontext():
             records[graphs] = train(replace(base, graphs=graphs))
         print(f"{graphs}: median step {timing(records[graphs]):.2f} ms, footprint "
               f"{records[graphs]['footprint_mib']:.0f} MiB, losses {records[graphs]['losses'][-1].tolist()}", flush=True)
     if args.out:
-        torch.save(records, args.out)
+        torch.save(records, rank_path(args.out, torch.distributed.get_rank(), torch.distributed.get_world_size()))
     with contextlib.suppress(Exception):
         torch.distributed.destroy_process_group()
 

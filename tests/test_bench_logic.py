@@ -210,3 +210,17 @@ def test_fp8_targets_hold_each_fp8_row_against_bf16_and_the_whole_step_graph():
     }
     assert lines["fp8-delayed_vs_whole_step"].detail == "5.5 vs 4.9 ms = 1.122x (limit 1.1x)"
     assert lines["fp8-current_vs_bf16"].target == "te_graph fp8-current <= 1.15x te_graph bf16"
+
+
+def test_the_megatron_example_runs_on_one_rank_or_under_torchrun_with_an_output_per_rank():
+    """The command line that the Megatron tests and benchmarks start, and where each rank's
+    records land (examples/megatron_gpt.py; the runs themselves need GPUs)."""
+    from examples import megatron_gpt
+
+    assert megatron_gpt.command(["--graphs", "eager"]) == [sys.executable, "-m", "examples.megatron_gpt",
+                                                           "--graphs", "eager"]
+    assert megatron_gpt.command(["--expert-parallel", "2"], ranks=2) == [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+        "-m", "examples.megatron_gpt", "--expert-parallel", "2"]
+    assert megatron_gpt.rank_path("/tmp/run.pt", 0, 1) == "/tmp/run.pt"
+    assert [megatron_gpt.rank_path("/tmp/run.pt", r, 2) for r in range(2)] == ["/tmp/run.rank0.pt", "/tmp/run.rank1.pt"]

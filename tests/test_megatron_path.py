@@ -12,7 +12,9 @@ Megatron's optimizer, the distributed optimizer with overlapped parameter gather
 forward pre-hooks run by the helper before each replay), and megatron-core's MoE layers:
 drop-and-pad graphed whole, dropless graphed up to token dispatch (bf16, FP8, full recompute),
 dropless refused by name when graphed whole, and dropless experts in capacity graphs (bf16,
-FP8 delayed and current scaling). Needs a GPU, megatron-core 0.19 and Transformer Engine 2.20; skipped otherwise.
+FP8 delayed and current scaling); with expert parallelism over two GPUs (torchrun, NCCL
+alltoall, ``multi_gpu``) the same, every rank bitwise. Needs a GPU, megatron-core 0.19 and
+Transformer Engine 2.20; skipped otherwise.
 """
 from __future__ import annotations
 
@@ -20,10 +22,11 @@ import importlib.util
 import os
 import re
 import subprocess
-import sys
 
 import pytest
 import torch
+
+from examples import megatron_gpt
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
@@ -62,21 +65,25 @@ SETUPS.update({
 })
 
 
-def _example(tmp_path, setup: list[str], graphs: str = "eager,te_graph,te_graph_replay") -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "examples.megatron_gpt", "--graphs", graphs,
-               "--steps", "4", "--layers", "2", "--hidden", "256", "--heads", "4", "--seq", "128", *setup,
-               "--out", str(tmp_path / "records.pt")]
+def _example(tmp_path, setup: list[str], graphs: str = "eager,te_graph,te_graph_replay",
+             ranks: int = 1) -> subprocess.CompletedProcess:
+    """The example in a fresh process on this worker's GPU, or under torchrun on ``ranks`` GPUs."""
+    arguments = ["--graphs", graphs, "--steps", "4", "--layers", "2", "--hidden", "256", "--heads", "4", "--seq", "128",
+                 *setup, "--out", str(tmp_path / "records.pt")]
     env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
-    env.pop("MASTER_PORT", None)
-    if torch.cuda.is_available():
+    for name in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(name, None)
+    if torch.cuda.is_available() and ranks == 1:
         env["CUDA_VISIBLE_DEVICES"] = str(torch.cuda.current_device())
-    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    return subprocess.run(megatron_gpt.command(arguments, ranks), cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=900)
 
 
-def _run(tmp_path, setup: list[str]) -> dict:
-    done = _example(tmp_path, setup)
+def _run(tmp_path, setup: list[str], ranks: int = 1) -> list[dict]:
+    """Each rank's records (one entry per rank)."""
+    done = _example(tmp_path, setup, ranks=ranks)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    return torch.load(tmp_path / "records.pt")
+    return [torch.load(megatron_gpt.rank_path(str(tmp_path / "records.pt"), rank, ranks)) for rank in range(ranks)]
 
 
 def _assert_same(got: dict, want: dict, what: str) -> None:
@@ -91,7 +98,10 @@ def _assert_same(got: dict, want: dict, what: str) -> None:
 
 @pytest.mark.parametrize("setup", list(SETUPS), ids=list(SETUPS))
 def test_megatron_helper_with_te_graph_trains_as_eager(tmp_path, setup):
-    records = _run(tmp_path, SETUPS[setup])
+    _assert_trains_as_eager(_run(tmp_path, SETUPS[setup])[0], setup)
+
+
+def _assert_trains_as_eager(records: dict, setup: str) -> None:
     graphed, replay, eager = records["te_graph"], records["te_graph_replay"], records["eager"]
     assert graphed["graphed_with"].startswith("te_graph"), graphed["graphed_with"]
     assert len(graphed["losses"]) == len(eager["losses"]) == 4
@@ -137,7 +147,10 @@ def test_dropless_experts_in_capacity_graphs_equal_their_eager_replay(tmp_path, 
     largest runs eagerly): bitwise equal to te_graph's eager replay of the same padded program
     (losses, main_grad and weights at every step); against the unpadded eager experts, the
     difference is reported (other GEMM shapes, other rounding) and bounded."""
-    records = _run(tmp_path, MOE + PARTIAL + CAPACITY_SETUPS[setup])
+    _assert_capacity_graphs_equal_their_replay(_run(tmp_path, MOE + PARTIAL + CAPACITY_SETUPS[setup])[0], setup)
+
+
+def _assert_capacity_graphs_equal_their_replay(records: dict, setup: str) -> None:
     graphed, replay, eager = records["te_graph"], records["te_graph_replay"], records["eager"]
     calls = graphed["expert_calls"]
     assert sum(calls["graphed"].values()) > 0, calls
@@ -149,3 +162,32 @@ def test_dropless_experts_in_capacity_graphs_equal_their_eager_replay(tmp_path, 
     print(f"{setup}: capacity graphs vs unpadded eager: max difference {difference:.3g}; calls {calls}")
     for a, b in zip(graphed["losses"], eager["losses"]):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+
+
+# Expert parallelism over 2 GPUs (torchrun, NCCL; data parallel, each rank its own batches):
+# the 4 experts split 2 per rank, tokens exchanged by the alltoall dispatcher. Dropless, the
+# graphs end before dispatch and the alltoall runs eagerly; drop-and-pad, the whole layer
+# is graphed, alltoall included (NCCL captured in the graph); the capacity graphs hold an
+# expert rank's tokens from both ranks.
+EXPERT_PARALLEL = MOE + ["--expert-parallel", "2"]
+EXPERT_PARALLEL_SETUPS = {
+    "ep2-dropless-attn-router-preprocess": EXPERT_PARALLEL + PARTIAL,
+    "ep2-dropless-full-recompute": EXPERT_PARALLEL + PARTIAL + ["--recompute", "full"],
+    "ep2-drop-pad-whole-layer": EXPERT_PARALLEL + ["--capacity", "1.0"],
+}
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.parametrize("setup", list(EXPERT_PARALLEL_SETUPS), ids=list(EXPERT_PARALLEL_SETUPS))
+def test_expert_parallel_layers_train_as_eager_on_two_gpus(tmp_path, setup):
+    ranks = _run(tmp_path, EXPERT_PARALLEL_SETUPS[setup], ranks=2)
+    for rank, records in enumerate(ranks):
+        _assert_trains_as_eager(records, f"{setup}, rank {rank}")
+    # Data parallel for real: each rank trained on batches of its own.
+    assert not torch.equal(ranks[0]["eager"]["losses"][0], ranks[1]["eager"]["losses"][0])
+
+
+@pytest.mark.multi_gpu
+def test_expert_parallel_capacity_graphs_equal_their_eager_replay_on_two_gpus(tmp_path):
+    for rank, records in enumerate(_run(tmp_path, EXPERT_PARALLEL + PARTIAL + ["--buckets", "1.0,1.25"], ranks=2)):
+        _assert_capacity_graphs_equal_their_replay(records, f"ep2 capacity graphs, rank {rank}")
