@@ -174,6 +174,7 @@ EXPERT_PARALLEL_SETUPS = {
     "ep2-dropless-attn-router-preprocess": EXPERT_PARALLEL + PARTIAL,
     "ep2-dropless-full-recompute": EXPERT_PARALLEL + PARTIAL + ["--recompute", "full"],
     "ep2-drop-pad-whole-layer": EXPERT_PARALLEL + ["--capacity", "1.0"],
+    "ep2-dropless-fp8-delayed": EXPERT_PARALLEL + PARTIAL + ["--fp8", "delayed"],
 }
 
 
@@ -188,6 +189,8 @@ def test_expert_parallel_layers_train_as_eager_on_two_gpus(tmp_path, setup):
 
 
 @pytest.mark.multi_gpu
-def test_expert_parallel_capacity_graphs_equal_their_eager_replay_on_two_gpus(tmp_path):
-    for rank, records in enumerate(_run(tmp_path, EXPERT_PARALLEL + PARTIAL + ["--buckets", "1.0,1.25"], ranks=2)):
-        _assert_capacity_graphs_equal_their_replay(records, f"ep2 capacity graphs, rank {rank}")
+@pytest.mark.parametrize("setup", ["bf16", "fp8-delayed"])
+def test_expert_parallel_capacity_graphs_equal_their_eager_replay_on_two_gpus(tmp_path, setup):
+    ranks = _run(tmp_path, EXPERT_PARALLEL + PARTIAL + CAPACITY_SETUPS[setup], ranks=2)
+    for rank, records in enumerate(ranks):
+        _assert_capacity_graphs_equal_their_replay(records, f"ep2 capacity graphs, {setup}, rank {rank}")
