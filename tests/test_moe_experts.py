@@ -107,6 +107,17 @@ def test_bad_requests_are_refused_before_anything_changes():
         graph_dropless_experts(layer, [8], probs_dtype=torch.float64, eager_replay=True)
 
 
+def test_token_counts_for_another_number_of_experts_are_refused_at_the_call():
+    layer = Layer()
+    graph_dropless_experts(layer, [8], probs_dtype=torch.float64, eager_replay=True)
+    hidden = torch.randn(10, H, dtype=torch.float64)
+    with pytest.raises(ValueError, match=re.escape(
+            "te_graph.graph_dropless_experts: the experts got token counts for 3 experts, but they hold 4 local "
+            "experts (their graphs lay the tokens out that many blocks of rows): pass one count per local expert, "
+            "as megatron-core's dispatcher does.")):
+        layer.experts(hidden, torch.tensor([3, 2, 5]), torch.rand(10, dtype=torch.float64))
+
+
 def test_probabilities_of_another_dtype_than_captured_are_refused_at_the_call():
     layer = Layer()
     graph_dropless_experts(layer, [8], eager_replay=True)  # the parameters' dtype: float64

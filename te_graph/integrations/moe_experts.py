@@ -92,6 +92,11 @@ class DroplessExperts:
                 or (capacity is None and self.overflow_rows is None)):
             self.eager_calls += 1
             return type(self.experts).forward(self.experts, hidden, tokens_per_expert, probs, **kwargs)
+        if len(counts) != self.num_experts:
+            raise ValueError(
+                f"te_graph.graph_dropless_experts: the experts got token counts for {len(counts)} experts, but "
+                f"they hold {self.num_experts} local experts (their graphs lay the tokens out that many blocks "
+                "of rows): pass one count per local expert, as megatron-core's dispatcher does.")
         if (hidden.dtype, probs.dtype) != self.dtypes:
             raise ValueError(
                 f"te_graph.graph_dropless_experts: the experts got tokens in {hidden.dtype} and routing "
