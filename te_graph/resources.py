@@ -7,6 +7,9 @@
 * **Parameter-gradient buffers**, one per trainable parameter, at a fixed address, shared
   by every graph that uses the parameter (``grads``). Held weakly: a buffer lives as long as
   a graph that accumulates into it or the parameter's ``.grad`` holds it.
+* **Transformer Engine's backward amax reduction as a graph**, one per device
+  (``fp8_reduction``): FP8 graphs under delayed scaling replay it after the backward of
+  an autocast's first FP8 call.
 * **Live graphed callables**, held weakly, so that ``te_graph.reset()`` with no argument
   can free every graph (teardown before ``destroy_process_group``).
 
@@ -36,6 +39,7 @@ class ProcessResources:
         # Keyed by identity (a plain WeakKeyDictionary would compare tensors with ``==``).
         self._grad_buffers = WeakIdKeyDictionary()
         self._callables: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        self._amax_reductions: dict[int, Any] = {}
 
     def capture_stream(self) -> "torch.cuda.Stream":
         """The side stream of the current device for every warmup and capture."""
@@ -55,6 +59,15 @@ class ProcessResources:
             self._grad_buffers[param] = weakref.ref(buffer)
         return buffer
 
+    def backward_amax_reduction(self) -> Any:
+        """The current device's ``fp8_reduction.BackwardAmaxReduction``."""
+        device = torch.cuda.current_device()
+        if device not in self._amax_reductions:
+            from .fp8_reduction import BackwardAmaxReduction  # noqa: PLC0415 - FP8 runs only
+
+            self._amax_reductions[device] = BackwardAmaxReduction(self.capture_stream())
+        return self._amax_reductions[device]
+
     def add_callable(self, graphed: _Resettable) -> None:
         """Track a graphed callable for ``teardown`` (weakly: it keeps nothing alive)."""
         self._callables.add(graphed)
@@ -63,10 +76,13 @@ class ProcessResources:
         return iter(list(self._callables))
 
     def teardown(self) -> None:
-        """Free every graphed callable's graphs and buffers, and forget the streams and
-        gradient buffers (later captures make new ones)."""
+        """Free every graphed callable's graphs and buffers and the amax-reduction graphs,
+        and forget the streams and gradient buffers (later captures make new ones)."""
         for graphed in self.live_callables():
             graphed.reset()
+        for reduction in self._amax_reductions.values():
+            reduction.reset()
+        self._amax_reductions = {}
         self._callables = weakref.WeakSet()
         self._streams = {}
         self._grad_buffers = WeakIdKeyDictionary()

@@ -13,7 +13,8 @@
 * **Each call** (outside the graphs, so inside the user's ``te.autocast``): the recorded
   modules' FP8 meta joins TE's global amax buffer, the first FP8 call of the autocast sets
   the weight-cache flag from ``is_first_microbatch`` (a device flag the captured weight
-  casts read), its backward runs the backward amax reduction after its replay, and the
+  casts read), its backward runs the backward amax reduction after its replay (one graph
+  per device, ``fp8_reduction``, where it can be captured), and the
   forward reduction runs at the user's autocast exit, as in eager TE.
 
 Besides FP8: the TE modules a forward runs are found in the first warmup pass, and the
@@ -34,6 +35,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
+
+from .resources import RESOURCES
 
 __all__ = [
     "FP8_ARGUMENTS", "FP8Options", "fp8_options", "te_modules_in", "FP8Capture", "fp8_replay",
@@ -296,11 +299,13 @@ class _NotFP8:
     """A graph of TE modules captured without FP8: refuses a call inside an FP8 autocast,
     where eager TE would run FP8 kernels and the graph would not."""
 
-    @staticmethod
-    def before_forward(name: str, is_first_microbatch: Any) -> bool:
+    def __init__(self):
         from transformer_engine.pytorch.quantization import FP8GlobalStateManager  # noqa: PLC0415
 
-        if FP8GlobalStateManager.is_fp8_enabled():
+        self.fp8_enabled = FP8GlobalStateManager.is_fp8_enabled  # read at every call
+
+    def before_forward(self, name: str, is_first_microbatch: Any) -> bool:
+        if self.fp8_enabled():
             raise RuntimeError(
                 f"{name}: called inside an FP8 te.autocast, but it was graphed without FP8 "
                 "(its graphs run the kernels they captured, not FP8 ones). Graph it with "
@@ -400,9 +405,10 @@ class FP8Replay(FP8Checks):
 
     def after_backward(self, first: bool) -> None:
         """After the backward replay of an autocast's first FP8 call: the backward amax
-        reduction (eager TE runs it at the end of the first FP8 module's backward)."""
+        reduction (eager TE runs it at the end of the first FP8 module's backward), replayed
+        as a graph where it can be (``fp8_reduction``)."""
         if first:
-            self.state.reduce_and_update_fp8_tensors(forward=False)
+            RESOURCES.backward_amax_reduction().run(self.state)
 
 
 def fp8_replay(enabled: bool, options: FP8Options, modules: Sequence[Any], has_te: bool, graphs: bool) -> Any:

@@ -157,6 +157,8 @@ class TESetup:
     layers: int = 2
     eager_steps_first: int = 0  # eager steps before graphing (as Megatron's helper does): TE's
     # global amax buffers then hold the modules when graphs are made
+    late_eager_layer: bool = False  # an eager TE Linear joins the autocast from the second step
+    # on (after the graphs): TE's global amax buffers change after the first reductions
 
     def __str__(self) -> str:
         return self.id
@@ -190,6 +192,7 @@ SETUPS = [
     TESetup("grouped-linear-fp8-current", module="grouped_linear", recipe="current"),
     TESetup("transformer-fp8-delayed-graphed-after-an-eager-step", recipe="delayed", eager_steps_first=1),
     TESetup("transformer-fp8-delayed", recipe="delayed"),
+    TESetup("transformer-fp8-delayed-eager-layer-joins-later", recipe="delayed", late_eager_layer=True),
     TESetup("transformer-fp8-current-dropout", recipe="current", dropout=0.1),
     TESetup("transformer-fp8-block", recipe="block"),
     TESetup("transformer-fp8-delayed-weight-caching", recipe="delayed", caching=True),
@@ -245,9 +248,10 @@ def train(setup: TESetup, mode: str, steps: int = 3, micro: int = 2) -> Trace:
         modules = [build(setup.module, dtype, setup.dropout).cuda() for _ in range(setup.layers)]
     if setup.recompute != "none":
         modules = [Recomputed(m, setup.recompute) for m in modules]
+    late = [te().Linear(H, H, params_dtype=dtype).cuda()] if setup.late_eager_layer else []
     for m in modules:
         m.train(not setup.eval)
-    params = [p for m in modules for p in m.parameters()]
+    params = [p for m in modules + late for p in m.parameters()]
     if setup.grads_like_params:
         for p in params:
             p.grad = torch.empty_like(p)  # zeroed at the first step
@@ -256,7 +260,7 @@ def train(setup: TESetup, mode: str, steps: int = 3, micro: int = 2) -> Trace:
     weight = torch.linspace(-1, 1, S * B * H, device="cuda").view(S, B, H)
     trace = Trace()
 
-    def step(layers) -> None:
+    def step(layers, joined: list) -> None:
         for p in params:
             if p.grad is not None:
                 p.grad.zero_()
@@ -267,18 +271,20 @@ def train(setup: TESetup, mode: str, steps: int = 3, micro: int = 2) -> Trace:
                     h = x
                     for layer in layers:
                         h = layer(h, is_first_microbatch=micro_step == 0) if setup.caching else layer(h)
+                    for layer in joined:
+                        h = layer(h)
             trace.outputs.append(h.detach().clone())
             if not setup.eval:
                 (h.float() * weight).sum().backward()
                 trace.input_grads.append(x.grad.clone())
         if not setup.eval:
-            trace.param_grads.append([p.grad.clone() for p in params])
+            trace.param_grads.append([None if p.grad is None else p.grad.clone() for p in params])
             if opt is not None:
                 opt.step()
 
     reseed(76)
     for _ in range(setup.eager_steps_first):
-        step(modules)
+        step(modules, [])
     layers = modules
     if mode != "eager":
         g = torch.Generator(device="cuda").manual_seed(3)
@@ -293,10 +299,10 @@ def train(setup: TESetup, mode: str, steps: int = 3, micro: int = 2) -> Trace:
                 eager_replay=mode == "eager_replay",
             )
     reseed(77)
-    for _ in range(steps):
-        step(layers)
+    for i in range(steps):
+        step(layers, late if i > 0 else [])
     trace.weights = [p.detach().clone() for p in params]
-    trace.fp8_meta = fp8_meta(modules)
+    trace.fp8_meta = fp8_meta(modules + late)
     return trace
 
 
@@ -330,6 +336,29 @@ def assert_graphs_and_eager_replay_equal_eager(run) -> None:
 def test_te_graphs_and_eager_replay_equal_eager_te(setup):
     _skip_unsupported(setup)
     assert_graphs_and_eager_replay_equal_eager(lambda mode: train(setup, mode))
+
+
+def test_the_backward_amax_reduction_replays_as_one_graph(monkeypatch):
+    """Delayed scaling: the backward amax reduction after each autocast's first FP8 call is
+    replayed from one graph per device (te_graph/fp8_reduction.py), captured again when TE's
+    buffers change (an eager layer joins at the second step), and left to TE's own call
+    where TE's update is unfused; the FP8 meta stays bitwise eager TE's either way."""
+    from te_graph.resources import RESOURCES
+
+    setup = TESetup("transformer-fp8-delayed-eager-layer-joins-later", recipe="delayed", late_eager_layer=True)
+    _skip_unsupported(setup)
+    want = train(setup, "eager")
+    reduction = RESOURCES.backward_amax_reduction()
+    captures, replays = reduction.captures, reduction.replays
+    assert_same(train(setup, "graphs"), want, "graphs")
+    # 3 steps of 2 microbatches, each its own autocast; captured at the first step and again
+    # when the eager layer registers its amaxes at the second.
+    assert (reduction.captures - captures, reduction.replays - replays) == (2, 6)
+    monkeypatch.setenv("NVTE_UNFUSED_FP8_UPDATE", "1")
+    want = train(setup, "eager")
+    captures, replays = reduction.captures, reduction.replays
+    assert_same(train(setup, "graphs"), want, "graphs, unfused update")
+    assert (reduction.captures, reduction.replays) == (captures, replays)
 
 
 # -- refused before anything changes ---------------------------------------------------------
