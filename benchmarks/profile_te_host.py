@@ -10,7 +10,14 @@ For each precision it builds bench_te.py's ``te_graph`` row (same layers, same s
   sample whose host time outlasts the spin is left out and counted; both also per layer
   call (the step's time divided by the number of layers: one forward and its backward);
 * runs ``--profile-iters`` steps under ``cProfile`` and prints the functions with the most
-  own time, in microseconds per layer call.
+  own time, in microseconds per layer call (``--dump DIR`` also saves the stats, for
+  ``pstats`` on any machine);
+* for te_graph's rows, the floor of its replay path: the host time of the bare graph
+  launches alone (each layer's forward graph, then each backward graph, nothing around
+  them), per layer call; what the replay path adds to it is te_graph's own Python;
+* for te_graph's rows, a timeline of ``--timeline`` steps: the host time of each function
+  of the replay path (``_TIMED``: the fingerprint check, the input copies, the graph
+  launches...), clocked inside whole steps, per layer call, and the rest of the step.
 
 Back to back, a step takes about the larger of the two: where the GPU time is the larger,
 host work moved out of the hot path does not show in the step time. ``--kinds`` adds other
@@ -22,6 +29,7 @@ Run on a GPU with Transformer Engine::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import os
@@ -29,7 +37,7 @@ import pstats
 import statistics
 import sys
 import time
-from typing import Sequence
+from typing import Callable, Iterator, Sequence
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 for _path in (_ROOT, os.path.join(_ROOT, "benchmarks")):
@@ -40,6 +48,7 @@ import torch  # noqa: E402
 
 import bench_te  # noqa: E402
 from _targets import TE_GRAPH, WHOLE_STEP_GRAPH  # noqa: E402
+from te_graph.graphed import graphed_callable_of  # noqa: E402
 
 
 def _median_ms(step, inputs: Sequence[torch.Tensor], iters: int) -> float:
@@ -87,7 +96,90 @@ def _host_and_gpu_ms(step, inputs: Sequence[torch.Tensor], iters: int) -> tuple[
 SPIN_CYCLES = 60_000_000  # ~30 ms of an H100's clock: longer than the steps profiled here
 
 
-def profile(config: str, precision: str, kind: str, iters: int, profile_iters: int, top: int) -> str:
+def _bare_replays(graphed: Sequence[torch.nn.Module]) -> Callable[[torch.Tensor], None]:
+    """A step of the bare graph launches of te_graph's graphed layers: every forward graph,
+    then every backward graph in reverse, nothing else (no copies, checks or FP8 and RNG
+    bookkeeping: numerically meaningless, a floor of the host time)."""
+    pairs = [(r.graph.fwd_graph, r.graph.bwd_graph) for m in graphed
+             for r in graphed_callable_of(m)._runners.values()]
+
+    def step(_: torch.Tensor) -> None:
+        for forward, _backward in pairs:
+            forward.replay()
+        for _forward, backward in reversed(pairs):
+            backward.replay()
+
+    return step
+
+
+# te_graph's replay path, function by function: (owner, attribute, label). Each is timed
+# inclusive of what it calls, so the rows nest (the call holds the check and the forward).
+_TIMED = (
+    ("te_graph.graphed", "GraphedCallable.__call__", "forward call (all of it)"),
+    ("te_graph.frozen", "Fingerprint.check", "  fingerprint check of what the graph froze"),
+    ("te_graph.replay", "GraphRunner.through_autograd", "  in-graph or autograd parameter gradients"),
+    ("te_graph.replay", "GraphRunner.forward", "  runner forward"),
+    ("te_graph.replay", "Runner._copy_inputs", "    input copies into the static buffers"),
+    ("torch.cuda.graphs", "CUDAGraph.replay", "    graph launches (forward and backward)"),
+    ("te_graph.replay", "_Replay.backward", "backward node (all of it)"),
+    ("te_graph.grads", "ParamGrads.prepare_in_graph", "  parameter-gradient bookkeeping"),
+)
+
+
+@contextlib.contextmanager
+def _timed(totals: dict) -> Iterator[None]:
+    """Wrap ``_TIMED``'s functions with a clock adding their inclusive host ns to
+    ``totals`` (a few hundred ns per call of overhead); unwrapped on exit."""
+    import importlib
+
+    saved = []
+    for module_name, path, label in _TIMED:
+        owner_name, attribute = path.split(".")
+        owner = getattr(importlib.import_module(module_name), owner_name)
+        raw = owner.__dict__[attribute]
+        function = raw.__func__ if isinstance(raw, staticmethod) else raw
+
+        def clocked(*args, _function=function, _label=label, **kwargs):
+            start = time.perf_counter_ns()
+            try:
+                return _function(*args, **kwargs)
+            finally:
+                totals[_label] = totals.get(_label, 0) + time.perf_counter_ns() - start
+
+        setattr(owner, attribute, staticmethod(clocked) if isinstance(raw, staticmethod) else clocked)
+        saved.append((owner, attribute, raw))
+    try:
+        yield
+    finally:
+        for owner, attribute, raw in saved:
+            setattr(owner, attribute, raw)
+
+
+def _timeline(step, inputs: Sequence[torch.Tensor], steps: int, layers: int) -> list[str]:
+    """Host us per layer call of each ``_TIMED`` function inside whole steps (each queued
+    behind a GPU spin, so that no launch waits for the GPU), and the rest of the step."""
+    totals: dict = {}
+    spent = 0.0
+    with _timed(totals):
+        for i in range(steps):
+            torch.cuda.synchronize()
+            torch.cuda._sleep(SPIN_CYCLES)
+            start = time.perf_counter_ns()
+            step(inputs[i % len(inputs)])
+            spent += time.perf_counter_ns() - start
+        torch.cuda.synchronize()
+    calls = steps * layers
+    ours = totals.get(_TIMED[0][2], 0) + totals.get(_TIMED[6][2], 0)
+    lines = [f"   timeline, host us per layer call ({steps} steps, each function inclusive of what it calls):",
+             f"   {spent / 1e3 / calls:8.1f}  the step / layers"]
+    lines += [f"   {totals.get(label, 0) / 1e3 / calls:8.1f}  {label}" for _, _, label in _TIMED]
+    lines.append(f"   {(spent - ours) / 1e3 / calls:8.1f}  the rest of the step / layers (grad zeroing, autocast, "
+                 "loss, the autograd engine)")
+    return lines
+
+
+def profile(config: str, precision: str, kind: str, iters: int, profile_iters: int, top: int,
+            dump: str | None = None, timeline_steps: int = 0) -> str:
     cfg = bench_te.CONFIGS[config]
     layers = cfg[0]
     built = bench_te.build(cfg, precision, kind, recompute=False)
@@ -97,6 +189,11 @@ def profile(config: str, precision: str, kind: str, iters: int, profile_iters: i
             built.step(inputs[i % len(inputs)])
         step_ms = _median_ms(built.step, inputs, iters)
         host_ms, gpu_ms, broken = _host_and_gpu_ms(built.step, inputs, iters)
+        bare, timeline = None, []
+        if kind == TE_GRAPH:
+            bare = _host_and_gpu_ms(_bare_replays(built.keep[1]), inputs, iters)
+            if timeline_steps:
+                timeline = _timeline(built.step, inputs, timeline_steps, layers)
         profiler = cProfile.Profile()
         torch.cuda.synchronize()
         profiler.enable()
@@ -104,6 +201,9 @@ def profile(config: str, precision: str, kind: str, iters: int, profile_iters: i
             built.step(inputs[i % len(inputs)])
         profiler.disable()
         torch.cuda.synchronize()
+        if dump:
+            os.makedirs(dump, exist_ok=True)
+            profiler.dump_stats(os.path.join(dump, f"{config}-{kind}-{precision}.prof".replace(" ", "_")))
     finally:
         if built.release is not None:
             built.release()
@@ -115,6 +215,10 @@ def profile(config: str, precision: str, kind: str, iters: int, profile_iters: i
              f"({gpu_ms * 1e3 / layers:.1f} us per layer call; per layer call = per step / layers)"
              + (f"; {broken} of {iters} samples outlasted the spin, left out" if broken else ""),
              f"   own time, us per layer call (cProfile, {profile_iters} steps; cProfile itself adds time):"]
+    if bare is not None:
+        lines.insert(1, f"   bare graph launches alone: host {bare[0] * 1e3 / layers:.1f} us, GPU {bare[1] * 1e3 / layers:.1f} us "
+                        "per layer call")
+    lines[2:2] = timeline
     rows = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
     for (file, line, name), (_, ncalls, tottime, cumtime, _) in rows:
         where = f"{os.path.basename(os.path.dirname(file))}/{os.path.basename(file)}:{line}" if line else file
@@ -132,6 +236,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--profile-iters", type=int, default=20)
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--out", default=None)
+    p.add_argument("--dump", default=None, help="save each row's cProfile stats in this directory")
+    p.add_argument("--timeline", type=int, default=20,
+                   help="steps of te_graph's rows timed function by function (0: none)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("profile_te_host.py: CUDA is not available; this needs a CUDA GPU and Transformer Engine.")
@@ -139,7 +246,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     for config in args.configs.split(","):
         for precision in args.precisions.split(","):
             for kind in args.kinds.split(","):
-                text = profile(config, precision, kind, args.iters, args.profile_iters, args.top)
+                text = profile(config, precision, kind, args.iters, args.profile_iters, args.top, args.dump, args.timeline)
                 print(text, flush=True)
                 report.append(text)
     if args.out:

@@ -7,6 +7,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 _BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 if _BENCH not in sys.path:
@@ -224,3 +225,21 @@ def test_the_megatron_example_runs_on_one_rank_or_under_torchrun_with_an_output_
         "-m", "examples.megatron_gpt", "--expert-parallel", "2"]
     assert megatron_gpt.rank_path("/tmp/run.pt", 0, 1) == "/tmp/run.pt"
     assert [megatron_gpt.rank_path("/tmp/run.pt", r, 2) for r in range(2)] == ["/tmp/run.rank0.pt", "/tmp/run.rank1.pt"]
+
+
+def test_the_host_timeline_clocks_te_graphs_functions_and_puts_them_back():
+    import profile_te_host
+
+    import te_graph.grads as grads
+    import te_graph.replay as replay
+
+    originals = (grads.ParamGrads.__dict__["prepare_in_graph"], replay._Replay.__dict__["backward"])
+    params = [torch.nn.Parameter(torch.ones(2))]
+    buffers = [torch.zeros(2)]
+    totals: dict = {}
+    with profile_te_host._timed(totals):
+        assert isinstance(replay._Replay.__dict__["backward"], staticmethod)
+        grads.ParamGrads(params, buffers).prepare_in_graph()
+    assert params[0].grad is buffers[0]  # the clocked function ran
+    assert list(totals) == ["  parameter-gradient bookkeeping"] and totals["  parameter-gradient bookkeeping"] > 0
+    assert (grads.ParamGrads.__dict__["prepare_in_graph"], replay._Replay.__dict__["backward"]) == originals
