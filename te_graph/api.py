@@ -185,7 +185,8 @@ def reset(*graphed: Any) -> None:
     tuples of them, as ``make_graphed_callables`` returned them): everything one call made,
     when given all it returned. With no argument, the process-wide teardown
     (``resources.RESOURCES.teardown()``): every graphed callable of the process, and the
-    capture streams and gradient buffers te_graph keeps (later captures make new ones).
+    capture streams, gradient buffers and Transformer Engine amax-reduction graphs te_graph
+    keeps (later captures make new ones).
     Pool memory goes back once no graph uses it; later calls of freed callables raise, and
     a graphed module gets its eager forward back (a module not graphed is left alone), so
     it can be graphed again.
