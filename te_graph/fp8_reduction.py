@@ -8,13 +8,15 @@ TE's fused update, whose C++ binding walks three lists of tensors. It is device 
 tensors at fixed addresses, and its host time is paid once per autocast: about 0.2 ms per
 step for 24 layers on an H100 host, in eager TE and, before this module, in te_graph's
 replays too. So te_graph captures it once and replays it while TE's backward buffers hold
-the same tensors under the same recipe settings; each call compares them (identity, one
-C-level pass over the tensors) and captures anew when they changed (a module registered,
-TE's state reset). The replay runs the same kernels on the same tensors: the FP8 meta
+the same tensors under the same recipe settings; each call compares them (the tensors by
+identity in one C-level pass, the recipe's settings by value: megatron-core makes a new,
+equal recipe for every autocast) and captures anew, into the same memory pool, when they
+changed (a module registered, TE's state reset). The replay runs the same kernels on the same tensors: the FP8 meta
 stays bitwise what eager TE leaves (tests/test_te_layers.py checks it after every step).
 
 Left to TE's own call: a reduction across several ranks (a collective in a graph captured
-and replayed by each rank at its own time is not proven here), the unfused update
+and replayed by each rank at its own time is not proven here; with ``reduce_amax`` off
+there is none, and the graph is used), the unfused update
 (``NVTE_UNFUSED_FP8_UPDATE`` or callable amax/scale algorithms, Python per module), and
 anything whose capture fails (warned once, then eager for those buffers).
 """
@@ -36,7 +38,8 @@ __all__ = ["BackwardAmaxReduction"]
 class _Buffers:
     """What a capture of the backward reduction reads, taken from TE's state at one call:
     the tensors (compared by identity, and held, so that an identity is never reused) and
-    the settings the kernels were launched with (compared by value)."""
+    the settings the kernels were launched with and the tensors' addresses (compared by
+    value)."""
 
     __slots__ = ("tensors", "settings")
 
@@ -72,11 +75,16 @@ def _backward_buffers(state: Any) -> Optional[_Buffers]:
         if (getattr(recipe, "reduce_amax", False) and torch.distributed.is_initialized()
                 and torch.distributed.get_world_size(group=group) > 1):
             return None
-        tensors += [recipe, group, *amaxes, *qstate.global_amax_history_buffer[key], *qstate.global_scale_buffer[key]]
+        # The recipe by value, not by identity: megatron-core makes an equal recipe for every
+        # forward's autocast, and TE's key holds its text and the group's identity already.
+        tensors += [*amaxes, *qstate.global_amax_history_buffer[key], *qstate.global_scale_buffer[key]]
         settings += [key, getattr(recipe, "amax_compute_algo", None), getattr(recipe, "margin", None),
                      getattr(recipe, "fp8_format", None)]
     if len(tensors) == 1:
         return None  # nothing registered: TE's call is an empty loop
+    # The graph reads addresses: a tensor whose storage was swapped in place (``.data =``,
+    # ``set_``; TE does neither) keeps its identity and moves.
+    settings.append(tuple(map(torch.Tensor.data_ptr, tensors[1:])))
     return _Buffers(tuple(tensors), tuple(settings))
 
 
@@ -86,6 +94,9 @@ class BackwardAmaxReduction:
 
     def __init__(self, stream: "torch.cuda.Stream"):
         self._stream = stream  # the device's capture stream
+        # One memory pool for every capture, so that a capture after a change of TE's
+        # buffers reuses the memory of the graph it replaces (which is reset after it).
+        self._pool: Any = None
         self._graph: Any = None
         self._captured: Optional[_Buffers] = None  # what the graph reads
         self._eager: Optional[_Buffers] = None  # buffers whose capture failed: TE's call for them
@@ -95,6 +106,8 @@ class BackwardAmaxReduction:
     def run(self, state: Any) -> None:
         """Reduce and update as ``state.reduce_and_update_fp8_tensors(forward=False)``."""
         buffers = _backward_buffers(state)
+        if buffers is None and self._captured is not None and self._captured.tensors[0] is not state.quantization_state:
+            self.reset()  # TE's state was reset: let go of the old one's tensors
         if buffers is None or buffers.same_as(self._eager):
             state.reduce_and_update_fp8_tensors(forward=False)
             return
@@ -107,34 +120,39 @@ class BackwardAmaxReduction:
     def _capture(self, state: Any, buffers: _Buffers) -> bool:
         """Capture TE's call for ``buffers`` (nothing runs: the replay that follows does it);
         False, with a warning, where the capture fails."""
-        self.reset()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         stream = self._stream
         stream.wait_stream(torch.cuda.current_stream())
         try:
             with torch.cuda.stream(stream):
-                graph.capture_begin(capture_error_mode="thread_local")
+                graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
                 try:
                     state.reduce_and_update_fp8_tensors(forward=False)
+                    graph.capture_end()
                 except BaseException:
                     with contextlib.suppress(Exception):
                         graph.capture_end()
                     compat.end_generator_capture(())  # pytorch/pytorch#171263, see compat
                     raise
-                graph.capture_end()
         except Exception as error:  # noqa: BLE001 - TE's own call stays, as eager TE has it
             warnings.warn(
                 f"te_graph: Transformer Engine's backward amax reduction could not be captured as a "
                 f"graph ({type(error).__name__}: {error}); it runs eagerly, as in eager TE.", stacklevel=2)
+            self.reset()
             self._eager = buffers
             return False
         torch.cuda.current_stream().wait_stream(stream)
+        # Freed only now: while the old graph lived, the pool stayed, and the new capture
+        # took the memory the old one freed during its own capture.
+        self.reset()
         self._graph, self._captured = graph, buffers
         self.captures += 1
         return True
 
     def reset(self) -> None:
-        """Free the graph (and its pool memory) and let go of the tensors it read."""
+        """Free the graph and let go of the tensors it read."""
         if self._graph is not None:
             self._graph.reset()
         self._graph = self._captured = self._eager = None

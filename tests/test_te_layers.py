@@ -159,6 +159,8 @@ class TESetup:
     # global amax buffers then hold the modules when graphs are made
     late_eager_layer: bool = False  # an eager TE Linear joins the autocast from the second step
     # on (after the graphs): TE's global amax buffers change after the first reductions
+    recipe_per_autocast: bool = False  # a new, equal recipe object for every autocast, as
+    # megatron-core's get_fp8_context makes one for every forward
 
     def __str__(self) -> str:
         return self.id
@@ -193,6 +195,7 @@ SETUPS = [
     TESetup("transformer-fp8-delayed-graphed-after-an-eager-step", recipe="delayed", eager_steps_first=1),
     TESetup("transformer-fp8-delayed", recipe="delayed"),
     TESetup("transformer-fp8-delayed-eager-layer-joins-later", recipe="delayed", late_eager_layer=True),
+    TESetup("transformer-fp8-delayed-new-recipe-per-autocast", recipe="delayed", dropout=0.1, recipe_per_autocast=True),
     TESetup("transformer-fp8-current-dropout", recipe="current", dropout=0.1),
     TESetup("transformer-fp8-block", recipe="block"),
     TESetup("transformer-fp8-delayed-weight-caching", recipe="delayed", caching=True),
@@ -267,7 +270,8 @@ def train(setup: TESetup, mode: str, steps: int = 3, micro: int = 2) -> Trace:
         for micro_step in range(micro):
             x = torch.randn(S, B, H, device="cuda", dtype=dtype, generator=data).requires_grad_(not setup.eval)
             with torch.no_grad() if setup.eval else torch.enable_grad():
-                with te().autocast(enabled=recipe is not None, recipe=recipe):
+                autocast_recipe = recipes()[setup.recipe]() if setup.recipe_per_autocast else recipe
+                with te().autocast(enabled=recipe is not None, recipe=autocast_recipe):
                     h = x
                     for layer in layers:
                         h = layer(h, is_first_microbatch=micro_step == 0) if setup.caching else layer(h)
@@ -341,11 +345,14 @@ def test_te_graphs_and_eager_replay_equal_eager_te(setup):
 def test_the_backward_amax_reduction_replays_as_one_graph(monkeypatch):
     """Delayed scaling: the backward amax reduction after each autocast's first FP8 call is
     replayed from one graph per device (te_graph/fp8_reduction.py), captured again when TE's
-    buffers change (an eager layer joins at the second step), and left to TE's own call
-    where TE's update is unfused; the FP8 meta stays bitwise eager TE's either way."""
+    buffers change (an eager layer joins at the second step) and not when only the recipe
+    object does (a new, equal one for every autocast, as megatron-core makes them), and left
+    to TE's own call where TE's update is unfused; the FP8 meta stays bitwise eager TE's
+    either way."""
     from te_graph.resources import RESOURCES
 
-    setup = TESetup("transformer-fp8-delayed-eager-layer-joins-later", recipe="delayed", late_eager_layer=True)
+    setup = TESetup("transformer-fp8-delayed-eager-layer-joins-later", recipe="delayed", late_eager_layer=True,
+                    recipe_per_autocast=True)
     _skip_unsupported(setup)
     want = train(setup, "eager")
     reduction = RESOURCES.backward_amax_reduction()
