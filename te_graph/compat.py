@@ -170,11 +170,12 @@ HAS_POST_ACCUMULATE_HOOKS = hasattr(torch.Tensor, "register_post_accumulate_grad
 
 def hook_handles_made() -> int:
     """How many hook handles the process has made. Every hook registration through torch's
-    Python API (a module's, a tensor's ``register_hook`` and
+    public API (a module's ``register_*_hook``, a tensor's ``register_hook`` and
     ``register_post_accumulate_grad_hook``) takes the next id of one counter
-    (``torch.utils.hooks.RemovableHandle.next_id``, private), so while it has not moved, no
-    hook was added anywhere. Where the counter is missing, -1: callers then look at the
-    hooks themselves."""
+    (``torch.utils.hooks.RemovableHandle.next_id``, private, torch 1.x on), so while it has
+    not moved, no hook was registered that way; a hook put into a hook dict directly (a
+    private attribute) does not move it. Where the counter is missing, -1: callers then look
+    at the hooks themselves."""
     return getattr(torch.utils.hooks.RemovableHandle, "next_id", -1)
 
 _MODULE_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")

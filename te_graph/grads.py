@@ -82,32 +82,20 @@ class ParamGrads:
         # Only a tensor-subclass parameter (a TE FP8 weight) gets a subclass .grad from
         # torch.empty_like(param); plain ones skip that check on the hot path.
         self._subclass_params = tuple(p for p in self.params if type(p) not in _PLAIN)
-        self._no_hooks_since = -1  # the hook-handle count when a look found no hook (-1: look)
 
     def observed(self) -> bool:
         """Whether something observes a parameter's gradient: hooks on it, or Megatron's
         ``main_grad`` (its DDP hooks the gradient accumulator), attached before or after
         graphing; or a subclass ``.grad`` only autograd may accumulate into. On the hot
-        path: one dict lookup per parameter (``main_grad``) and the hook-handle count."""
+        path: a few C-level attribute reads per parameter."""
+        params = self.params
         return (
             self.tied
-            or self._hooked()
-            or any(map(_has_main_grad, self.params))
+            or any(map(compat.tensor_hooks, params))
+            or (compat.HAS_POST_ACCUMULATE_HOOKS and any(map(compat.post_accumulate_hooks, params)))
+            or any(map(_has_main_grad, params))
             or any(type(p.grad) not in _PLAIN_GRAD for p in self._subclass_params)
         )
-
-    def _hooked(self) -> bool:
-        """Whether a parameter holds a tensor or post-accumulate hook. Both are registered
-        with a hook handle (``compat.hook_handles_made``): while no handle was made since a
-        look found none, none was added, and the look is skipped (one integer compare)."""
-        made = compat.hook_handles_made()
-        if made == self._no_hooks_since and made >= 0:
-            return False
-        params = self.params
-        hooked = any(map(compat.tensor_hooks, params)) or (
-            compat.HAS_POST_ACCUMULATE_HOOKS and any(map(compat.post_accumulate_hooks, params)))
-        self._no_hooks_since = -1 if hooked else made
-        return hooked
 
     def prepare_in_graph(self) -> None:
         """Before an in-graph replay: make each ``param.grad`` its buffer, keeping its value.
