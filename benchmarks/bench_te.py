@@ -158,22 +158,26 @@ def make_step(layers: Sequence[Callable], params: Sequence[torch.Tensor], precis
     return step
 
 
-def fresh_fp8_state() -> None:
-    """Transformer Engine's global FP8 state as a process running only this row starts with.
+def fresh_state() -> None:
+    """Transformer Engine's global FP8 state and te_graph's process-wide state as a process
+    running only this row starts with.
 
     Under delayed scaling every TE module puts its amaxes in TE's process-wide buffers, keyed
     by the recipe, and nothing takes them out: every autocast exit and first backward after
     it reduces and updates all of them (``reduce_and_update_fp8_tensors``), whatever the
     recipe now running. Rows built one after the other in one process would each pay for the
     layers of every delayed-scaling row before them, on the host and on the GPU (a
-    whole-step graph captures their reductions too). TE's own tests reset it the same way."""
+    whole-step graph captures their reductions too). TE's own tests reset it the same way.
+    ``te_graph.reset()`` also frees te_graph's graph of that reduction (``fp8_reduction``),
+    which holds the earlier rows' tensors."""
     from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 
+    te_graph.reset()
     FP8GlobalStateManager.reset()
 
 
 def build(cfg: tuple, precision: str, kind: str, recompute: bool) -> Built:
-    fresh_fp8_state()
+    fresh_state()
     layers = build_layers(cfg, precision, recompute, ours=kind == TE_GRAPH)
     params = [p for m in layers for p in m.parameters()]
     if kind == EAGER:
