@@ -14,7 +14,8 @@ Where things live, in the order a call goes through them:
 * ``replay`` (the per-call path: runners and the autograd node), ``graphed`` (the callable
   handed back), ``grads`` (where gradients go);
 * ``resources``: the process-wide state (capture streams, gradient buffers, live callables,
-  ``fp8_reduction``'s graph of TE's backward amax reduction) and its teardown; ``compat``: every use of a torch private or a version-dependent path.
+  ``fp8_reduction``'s graph of TE's backward amax reduction) and its teardown;
+* ``compat``: every use of a torch private or a version-dependent path.
 """
 from .api import Samples, eager_replay_default, graph_pool_handle, make_graphed_callables, reset
 

@@ -28,7 +28,6 @@ __all__ = [
     "tensor_hooks",
     "post_accumulate_hooks",
     "HAS_POST_ACCUMULATE_HOOKS",
-    "hook_handles_made",
     "module_hook_dicts",
     "parameter_slots",
     "buffer_slots",
@@ -166,17 +165,6 @@ except ImportError:  # pragma: no cover - a torch without it has no fake tensors
 tensor_hooks = operator.attrgetter("_backward_hooks")
 post_accumulate_hooks = operator.attrgetter("_post_accumulate_grad_hooks")
 HAS_POST_ACCUMULATE_HOOKS = hasattr(torch.Tensor, "register_post_accumulate_grad_hook")
-
-
-def hook_handles_made() -> int:
-    """How many hook handles the process has made. Every hook registration through torch's
-    public API (a module's ``register_*_hook``, a tensor's ``register_hook`` and
-    ``register_post_accumulate_grad_hook``) takes the next id of one counter
-    (``torch.utils.hooks.RemovableHandle.next_id``, private, torch 1.x on), so while it has
-    not moved, no hook was registered that way; a hook put into a hook dict directly (a
-    private attribute) does not move it. Where the counter is missing, -1: callers then look
-    at the hooks themselves."""
-    return getattr(torch.utils.hooks.RemovableHandle, "next_id", -1)
 
 _MODULE_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 

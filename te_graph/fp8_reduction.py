@@ -11,8 +11,9 @@ replays too. So te_graph captures it once and replays it while TE's backward buf
 the same tensors under the same recipe settings; each call compares them (the tensors by
 identity in one C-level pass, the recipe's settings by value: megatron-core makes a new,
 equal recipe for every autocast) and captures anew, into the same memory pool, when they
-changed (a module registered, TE's state reset). The replay runs the same kernels on the same tensors: the FP8 meta
-stays bitwise what eager TE leaves (tests/test_te_layers.py checks it after every step).
+changed (a module registered, TE's state reset). The replay runs the same kernels on the
+same tensors: the FP8 meta stays bitwise what eager TE leaves (tests/test_te_layers.py
+checks it after every step).
 
 Left to TE's own call: a reduction across several ranks (a collective in a graph captured
 and replayed by each rank at its own time is not proven here; with ``reduce_amax`` off
@@ -107,7 +108,7 @@ class BackwardAmaxReduction:
         """Reduce and update as ``state.reduce_and_update_fp8_tensors(forward=False)``."""
         buffers = _backward_buffers(state)
         if buffers is None and self._captured is not None and self._captured.tensors[0] is not state.quantization_state:
-            self.reset()  # TE's state was reset: let go of the old one's tensors
+            self.reset()  # TE's state was reset since the capture: let go of the old tensors
         if buffers is None or buffers.same_as(self._eager):
             state.reduce_and_update_fp8_tensors(forward=False)
             return
@@ -156,4 +157,3 @@ class BackwardAmaxReduction:
         if self._graph is not None:
             self._graph.reset()
         self._graph = self._captured = self._eager = None
-

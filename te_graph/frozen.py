@@ -45,9 +45,12 @@ _requires_grad = operator.attrgetter("requires_grad")
 _data_ptr = torch.Tensor.data_ptr
 
 
-# An unmoved hook-handle counter and unchanged table sizes mean the same hooks; where the
-# counter is missing (-1), the tables' keys are compared instead.
-_handles_made = compat.hook_handles_made
+def _handles_made() -> int:
+    """How many hook handles the process has made: every hook registration takes the next
+    id of torch's one counter (``torch.utils.hooks.RemovableHandle.next_id``), so an unmoved
+    counter and unchanged table sizes mean the same hooks. Where the counter is missing, -1:
+    the tables' keys are compared instead."""
+    return getattr(torch.utils.hooks.RemovableHandle, "next_id", -1)
 
 
 _REGRAPH = (
