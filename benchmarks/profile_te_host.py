@@ -114,17 +114,17 @@ def _bare_replays(graphed: Sequence[torch.nn.Module]) -> Callable[[torch.Tensor]
 
 # te_graph's replay path, function by function: (owner, attribute, label). Each is timed
 # inclusive of what it calls, so the rows nest (the call holds the check and the forward).
+_FORWARD, _BACKWARD = "forward call (all of it)", "backward node (all of it)"
 _TIMED = (
-    ("te_graph.graphed", "GraphedCallable.__call__", "forward call (all of it)"),
+    ("te_graph.graphed", "GraphedCallable.__call__", _FORWARD),
     ("te_graph.frozen", "Fingerprint.check", "  fingerprint check of what the graph froze"),
     ("te_graph.replay", "GraphRunner.through_autograd", "  in-graph or autograd parameter gradients"),
     ("te_graph.replay", "GraphRunner.forward", "  runner forward"),
     ("te_graph.replay", "Runner._copy_inputs", "    input copies into the static buffers"),
-    ("te_graph.replay", "_Replay.backward", "backward node (all of it)"),
+    ("te_graph.replay", "_Replay.backward", _BACKWARD),
     ("te_graph.grads", "ParamGrads.prepare_in_graph", "  parameter-gradient bookkeeping"),
     ("torch.cuda.graphs", "CUDAGraph.replay", "graph launches, forward and backward (inside the rows above)"),
 )
-_FORWARD, _BACKWARD = _TIMED[0][2], _TIMED[5][2]
 
 
 @contextlib.contextmanager

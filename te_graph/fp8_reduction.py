@@ -109,14 +109,12 @@ class BackwardAmaxReduction:
         buffers = _backward_buffers(state)
         if buffers is None and self._captured is not None and self._captured.tensors[0] is not state.quantization_state:
             self.reset()  # TE's state was reset since the capture: let go of the old tensors
-        if buffers is None or buffers.same_as(self._eager):
-            state.reduce_and_update_fp8_tensors(forward=False)
+        if (buffers is not None and not buffers.same_as(self._eager)
+                and (buffers.same_as(self._captured) or self._capture(state, buffers))):
+            self._graph.replay()
+            self.replays += 1
             return
-        if not buffers.same_as(self._captured) and not self._capture(state, buffers):
-            state.reduce_and_update_fp8_tensors(forward=False)
-            return
-        self._graph.replay()
-        self.replays += 1
+        state.reduce_and_update_fp8_tensors(forward=False)
 
     def _capture(self, state: Any, buffers: _Buffers) -> bool:
         """Capture TE's call for ``buffers`` (nothing runs: the replay that follows does it);
