@@ -13,6 +13,9 @@ dispatcher, aux-loss load balancing), trained through Megatron's schedule and DD
   token capacity (1, 1.25, 1.5 and 2 times the even share per expert; a call beyond runs the
   padded program eagerly at a capacity rounded up to 128 rows, or with ``eager overflow``
   the experts' own forward): ``te_graph.integrations.moe_experts``. Dropless: nothing is dropped.
+  Where every expert is local, the graphs hold the dispatch around the experts too (the
+  padding, the gather and the un-permutation, ``te_graph.integrations.moe_dispatch``);
+  ``te_graph buckets experts only`` graphs the experts alone, as with expert parallelism.
   ``te_graph buckets 4x`` adds 3 and 4 times (with top-2 of 8 experts, 4 times the even
   share is every token: no call runs eagerly), for a larger pool.
 * ``eager drop-pad`` / ``te_graph drop-pad`` / ``TE drop-pad``: drop-and-pad routing at
@@ -47,6 +50,7 @@ ROWS = {
     "te_graph partial": ("te_graph", _PARTIAL),
     "TE partial": ("te", _PARTIAL),
     "te_graph buckets": ("te_graph", _PARTIAL + ["--buckets", "1.0,1.25,1.5,2.0"]),
+    "te_graph buckets experts only": ("te_graph", _PARTIAL + ["--buckets", "1.0,1.25,1.5,2.0", "--moe-span", "experts"]),
     "te_graph buckets eager overflow": ("te_graph", _PARTIAL + ["--buckets", "1.0,1.25,1.5,2.0", "--overflow", "eager"]),
     "te_graph buckets 4x": ("te_graph", _PARTIAL + ["--buckets", "1.0,1.25,1.5,2.0,3.0,4.0"]),
     "eager drop-pad": ("eager", _DROP_PAD),

@@ -32,7 +32,8 @@ it is built with fusion off (``gradient_accumulation_fusion`` stays on for every
 dispatcher; dropless, or drop-and-pad with ``--capacity``); ``--graph-modules`` is the
 helper's ``cuda_graph_modules`` (``attn,moe_router,moe_preprocess`` graphs each layer up to
 token dispatch, which dropless routing needs); ``--buckets`` also graphs the dropless experts,
-one graph per token capacity (``te_graph.integrations.moe_experts``)::
+one graph per token capacity (``te_graph.integrations.moe_experts``), and with them the
+dispatch around them where every expert is local (``--moe-span experts``: the experts alone)::
 
     python -m examples.megatron_gpt --graphs eager,te_graph --experts 4 \
         --graph-modules attn,moe_router,moe_preprocess --buckets 1.0,1.25,1.5,2
@@ -80,6 +81,7 @@ class RunConfig:
     moe_ffn: int = 0  # the experts' hidden size (0: 4 * hidden)
     capacity: float = 0.0  # 0: dropless; else drop-and-pad at this capacity factor
     expert_parallel: int = 1  # experts split over this many ranks (torchrun; alltoall dispatch over NCCL)
+    permute_fusion: bool = False  # moe_permute_fusion: TE's fused permute and un-permute kernels
     aux_loss: float = 1e-2
     # The helper's cuda_graph_modules, comma-separated ("": the whole layer), for example
     # "attn,moe_router,moe_preprocess": the graphs end before token dispatch, which runs eagerly.
@@ -89,6 +91,9 @@ class RunConfig:
     # the even share (comma-separated, e.g. "1.25,1.5,2"); "": the experts run eagerly.
     buckets: str = ""
     overflow: str = "padded"  # above the largest capacity: "padded" (eagerly, 128-row capacities) or "eager"
+    # "auto": the graphs hold the dispatch around the experts where every expert is local;
+    # "experts": the experts alone; "dispatch": refuse a layer whose dispatch cannot go in
+    moe_span: str = "auto"
     # "eager", "te_graph" (the helper, te_graph's graphs), "te_graph_replay" (te_graph's eager
     # replay) or "te" (the helper, Transformer Engine's graphs)
     graphs: str = "te_graph"
@@ -152,6 +157,7 @@ def _build(cfg: RunConfig) -> tuple[list, Any, Any]:
         moe = dict(num_moe_experts=cfg.experts, moe_router_topk=cfg.topk, moe_grouped_gemm=True,
                    expert_model_parallel_size=cfg.expert_parallel,
                    moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=cfg.aux_loss,
+                   moe_permute_fusion=cfg.permute_fusion,
                    moe_ffn_hidden_size=cfg.moe_ffn or 4 * cfg.hidden)
         if cfg.capacity:
             moe.update(moe_expert_capacity_factor=cfg.capacity, moe_pad_expert_input_to_capacity=True)
@@ -270,7 +276,8 @@ def train(cfg: RunConfig) -> dict:
                     # An expert's rank receives tokens from every rank of its expert-parallel group.
                     capacities = capacities_for(cfg.seq * cfg.micro_batch * cfg.expert_parallel, cfg.topk, cfg.experts,
                                                 [float(f) for f in cfg.buckets.split(",")])
-                    dropless = graph_dropless_experts(model[0], capacities, overflow=cfg.overflow)
+                    dropless = graph_dropless_experts(model[0], capacities, tokens=cfg.seq * cfg.micro_batch,
+                                                      span=cfg.moe_span, overflow=cfg.overflow)
                 if cfg.overlap_param_gather:
                     model[0].enable_forward_pre_hook()
                     helper.cuda_graph_set_manual_hooks()  # DDP's pre-hooks, run before each replay
@@ -319,7 +326,8 @@ def train(cfg: RunConfig) -> dict:
         routed.remove()
     if dropless:
         record["expert_calls"] = {"graphed": {c: sum(d.calls[c] for d in dropless) for c in dropless[0].capacities},
-                                  "eager": sum(d.eager_calls for d in dropless)}
+                                  "eager": sum(d.eager_calls for d in dropless),
+                                  "spans": sorted({d.span for d in dropless})}
         for d in dropless:
             d.remove()
     if helper is not None:

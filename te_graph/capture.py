@@ -358,25 +358,29 @@ def _grad_output_buffers(output: OutputLayout, plan: GraphPlan, captured: dict[i
 
 
 @contextlib.contextmanager
-def _capturing(name: str, graph: Any, mempool: Any, generators: Sequence[torch.Generator], mode: str):
-    """Capture into ``graph``; if the body fails, end the capture and take every generator
-    the graph registered out of capture mode (``compat.end_generator_capture``). A host wait
-    in the body is refused by name (``host_sync``): before CUDA sees it where torch lets
+def capturing(name: str, graph: Any, mempool: Any, generators: Sequence[torch.Generator], mode: str):
+    """Capture into ``graph``; if the capture fails (its begin, the body or its end), end it
+    and take every generator the graph registered out of capture mode
+    (``compat.end_generator_capture``): torch runs their capture prologue in
+    ``capture_begin`` and their epilogue only in a ``capture_end`` that succeeds, and a
+    generator left capturing fails every later random draw of the process. A host wait in
+    the body is refused by name (``host_sync``): before CUDA sees it where torch lets
     te_graph see it first, else told from CUDA's capture error."""
     compat.register_generators(graph, generators)
-    graph.capture_begin(pool=mempool, capture_error_mode=mode)
     try:
+        graph.capture_begin(pool=mempool, capture_error_mode=mode)
         with host_sync.waits_refused(name):
             yield
+        graph.capture_end()
     except BaseException as error:
         with contextlib.suppress(Exception):
             graph.capture_end()
-        compat.end_generator_capture(generators)
+        with contextlib.suppress(Exception):  # the stream may still be capturing: the error above says why
+            compat.end_generator_capture(generators)
         refusal = host_sync.refusal_of(name, error)
         if refusal is None or refusal is error:
             raise
         raise refusal from error
-    graph.capture_end()
 
 
 def _capture_forward(spec: GraphSpec, static_inputs: tuple, recompute: RecomputeRNG, mempool: Any, mode: str,
@@ -386,7 +390,7 @@ def _capture_forward(spec: GraphSpec, static_inputs: tuple, recompute: Recompute
     regions = recompute.capture_hook()
     if spec.hooks is not None:
         spec.hooks.run("forward_pre_hooks", spec.func)
-    with _capturing(spec.name, graph, mempool, recompute.forward_generators, mode):
+    with capturing(spec.name, graph, mempool, recompute.forward_generators, mode):
         with capture_hook_set(regions), grad_mode(spec), fp8_context(fp8, spec):
             outputs = spec.call(*args, **kwargs)
     regions.check_complete()
@@ -405,7 +409,7 @@ def _capture_backward(spec: GraphSpec, forward: _Forward, grad_outputs: tuple, p
     if spec.hooks is not None:
         spec.hooks.run("backward_pre_hooks", spec.func)
     with grads_redirected([t for t in inputs if t.requires_grad], stand, param_grads.buffers):
-        with _capturing(spec.name, graph, mempool, recompute.backward_generators, mode):
+        with capturing(spec.name, graph, mempool, recompute.backward_generators, mode):
             if differentiable:
                 torch.autograd.backward(differentiable, grads, retain_graph=spec.retain_graph)
         grad_inputs = tuple(t.grad if t.requires_grad else None for t in inputs)
@@ -431,7 +435,7 @@ def _capture_wgrad(spec: GraphSpec, warmup: WarmupRecord, param_grads: ParamGrad
     split = stand_ins(tuple(spec.params[i] for i in sorted(learned.split_params)))
     graph = torch.cuda.CUDAGraph()
     with grads_redirected(split, stand_ins(param_grads.params), param_grads.buffers):
-        with wgrad_hooks_held(learned.modules), _capturing(spec.name, graph, mempool, (), mode):
+        with wgrad_hooks_held(learned.modules), capturing(spec.name, graph, mempool, (), mode):
             for module in learned.modules:
                 run_backward_dw(module)
         stand = stand_ins(spec.params)

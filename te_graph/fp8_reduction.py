@@ -10,8 +10,8 @@ step for 24 layers on an H100 host, in eager TE and, before this module, in te_g
 replays too. So te_graph captures it once and replays it while TE's backward buffers hold
 the same tensors under the same recipe settings; each call compares them (the tensors by
 identity in one C-level pass, the recipe's settings by value: megatron-core makes a new,
-equal recipe for every autocast) and captures anew, into the same memory pool, when they
-changed (a module registered, TE's state reset). The replay runs the same kernels on the
+equal recipe for every autocast) and captures anew when they changed (a module registered,
+TE's state reset), freeing the old graph first. The replay runs the same kernels on the
 same tensors: the FP8 meta stays bitwise what eager TE leaves (tests/test_te_layers.py
 checks it after every step).
 
@@ -23,7 +23,6 @@ anything whose capture fails (warned once, then eager for those buffers).
 """
 from __future__ import annotations
 
-import contextlib
 import operator
 import os
 import warnings
@@ -31,7 +30,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import compat
+from .capture import capturing
 
 __all__ = ["BackwardAmaxReduction"]
 
@@ -95,9 +94,6 @@ class BackwardAmaxReduction:
 
     def __init__(self, stream: "torch.cuda.Stream"):
         self._stream = stream  # the device's capture stream
-        # One memory pool for every capture, so that a capture after a change of TE's
-        # buffers reuses the memory of the graph it replaces (which is reset after it).
-        self._pool: Any = None
         self._graph: Any = None
         self._captured: Optional[_Buffers] = None  # what the graph reads
         self._eager: Optional[_Buffers] = None  # buffers whose capture failed: TE's call for them
@@ -119,22 +115,18 @@ class BackwardAmaxReduction:
     def _capture(self, state: Any, buffers: _Buffers) -> bool:
         """Capture TE's call for ``buffers`` (nothing runs: the replay that follows does it);
         False, with a warning, where the capture fails."""
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
+        # The old graph goes first, and each capture gets a pool of its own, freed with its
+        # graph. One pool handle kept across captures fails once every graph of it was freed
+        # (a reset of TE's state frees ours): torch's allocators assert the pool is still used
+        # at the next capture_begin (``use_count > 0``, torch 2.11, in the pinned-memory
+        # allocator too), and that failure left the default generator capturing.
+        self.reset()
         graph = torch.cuda.CUDAGraph()
         stream = self._stream
         stream.wait_stream(torch.cuda.current_stream())
         try:
-            with torch.cuda.stream(stream):
-                graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
-                try:
-                    state.reduce_and_update_fp8_tensors(forward=False)
-                    graph.capture_end()
-                except BaseException:
-                    with contextlib.suppress(Exception):
-                        graph.capture_end()
-                    compat.end_generator_capture(())  # pytorch/pytorch#171263, see compat
-                    raise
+            with torch.cuda.stream(stream), capturing("TE's backward amax reduction", graph, None, (), "thread_local"):
+                state.reduce_and_update_fp8_tensors(forward=False)
         except Exception as error:  # noqa: BLE001 - TE's own call stays, as eager TE has it
             warnings.warn(
                 f"te_graph: Transformer Engine's backward amax reduction could not be captured as a "
@@ -143,9 +135,6 @@ class BackwardAmaxReduction:
             self._eager = buffers
             return False
         torch.cuda.current_stream().wait_stream(stream)
-        # Freed only now: while the old graph lived, the pool stayed, and the new capture
-        # took the memory the old one freed during its own capture.
-        self.reset()
         self._graph, self._captured = graph, buffers
         self.captures += 1
         return True

@@ -79,9 +79,10 @@ def _example(tmp_path, setup: list[str], graphs: str = "eager,te_graph,te_graph_
                           timeout=900)
 
 
-def _run(tmp_path, setup: list[str], ranks: int = 1) -> list[dict]:
+def _run(tmp_path, setup: list[str], ranks: int = 1, graphs: str = "eager,te_graph,te_graph_replay") -> list[dict]:
     """Each rank's records (one entry per rank)."""
-    done = _example(tmp_path, setup, ranks=ranks)
+    os.makedirs(tmp_path, exist_ok=True)
+    done = _example(tmp_path, setup, graphs, ranks=ranks)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     return [torch.load(megatron_gpt.rank_path(str(tmp_path / "records.pt"), rank, ranks)) for rank in range(ranks)]
 
@@ -131,9 +132,20 @@ def _max_difference(got: dict, want: dict) -> float:
 # The capacity graphs' setups (1 and 1.25 times the even share: about half the calls overflow
 # into the eager experts, some after a step's first microbatch, where a stale
 # is_first_microbatch would overwrite main_grad): bf16, FP8 delayed and current scaling, and a
-# delayed-scaling history long enough to show an amax reduction run twice (1 hides it).
+# delayed-scaling history long enough to show an amax reduction run twice (1 hides it). With
+# one GPU every expert is local, so the graphs hold the dispatch too (span "dispatch"); the
+# experts alone, TE's fused permutation, whole-layer recompute and overflow into megatron-core's
+# own experts are rows of their own.
 CAPACITY_SETUPS = {
     "bf16": ["--buckets", "1.0,1.25"],
+    "bf16-experts-span": ["--buckets", "1.0,1.25", "--moe-span", "experts"],
+    # TE's fused permutation; the layer graphs end before the dispatcher's preprocess here, as
+    # te_graph refuses megatron-core's preprocess scope with it (the router's probabilities,
+    # an output the loss never reaches, would get their gradient only through TE's custom
+    # permute function, which te_graph does not look through).
+    "bf16-permute-fusion": ["--buckets", "1.0,1.25", "--permute-fusion", "1", "--graph-modules", "attn,moe_router"],
+    "bf16-full-recompute": ["--buckets", "1.0,1.25", "--recompute", "full"],
+    "bf16-overflow-eager": ["--buckets", "1.0,1.25", "--overflow", "eager"],
     "fp8-delayed": ["--buckets", "1.0,1.25", "--fp8", "delayed"],
     "fp8-tensorwise": ["--buckets", "1.0,1.25", "--fp8", "tensorwise"],
     "fp8-delayed-history-16-max": ["--buckets", "1.0,1.25", "--fp8", "delayed", "--fp8-amax-history", "16",
@@ -147,12 +159,27 @@ def test_dropless_experts_in_capacity_graphs_equal_their_eager_replay(tmp_path, 
     largest runs eagerly): bitwise equal to te_graph's eager replay of the same padded program
     (losses, main_grad and weights at every step); against the unpadded eager experts, the
     difference is reported (other GEMM shapes, other rounding) and bounded."""
-    _assert_capacity_graphs_equal_their_replay(_run(tmp_path, MOE + PARTIAL + CAPACITY_SETUPS[setup])[0], setup)
+    records = _run(tmp_path, MOE + PARTIAL + CAPACITY_SETUPS[setup])[0]
+    _assert_capacity_graphs_equal_their_replay(records, setup, "experts" if "experts-span" in setup else "dispatch")
 
 
-def _assert_capacity_graphs_equal_their_replay(records: dict, setup: str) -> None:
+def test_the_dispatch_in_capacity_graphs_changes_no_bit_of_the_experts_only_graphs(tmp_path):
+    """The graphs holding the dispatch (pad, gather, un-permutation; the chunk sorts and the
+    one-rank alltoall they leave out are identities) train bitwise as the graphs of the experts
+    alone, and as their eager replays."""
+    runs = {span: _run(tmp_path / span, MOE + PARTIAL + ["--buckets", "1.0,1.25", "--moe-span", span],
+                       graphs="te_graph,te_graph_replay")[0]
+            for span in ("dispatch", "experts")}
+    for kind in ("te_graph", "te_graph_replay"):
+        assert runs["dispatch"][kind]["expert_calls"]["spans"] == ["dispatch"]
+        assert runs["experts"][kind]["expert_calls"]["spans"] == ["experts"]
+        _assert_same(runs["dispatch"][kind], runs["experts"][kind], f"{kind}: dispatch span vs experts span")
+
+
+def _assert_capacity_graphs_equal_their_replay(records: dict, setup: str, span: str) -> None:
     graphed, replay, eager = records["te_graph"], records["te_graph_replay"], records["eager"]
     calls = graphed["expert_calls"]
+    assert calls["spans"] == [span], calls
     assert sum(calls["graphed"].values()) > 0, calls
     if setup.startswith("fp8"):
         assert calls["eager"] > 0, calls
@@ -193,4 +220,4 @@ def test_expert_parallel_layers_train_as_eager_on_two_gpus(tmp_path, setup):
 def test_expert_parallel_capacity_graphs_equal_their_eager_replay_on_two_gpus(tmp_path, setup):
     ranks = _run(tmp_path, EXPERT_PARALLEL + PARTIAL + CAPACITY_SETUPS[setup], ranks=2)
     for rank, records in enumerate(ranks):
-        _assert_capacity_graphs_equal_their_replay(records, f"ep2 capacity graphs, {setup}, rank {rank}")
+        _assert_capacity_graphs_equal_their_replay(records, f"ep2 capacity graphs, {setup}, rank {rank}", "experts")

@@ -162,3 +162,51 @@ def test_layers_it_cannot_serve_exactly_are_refused_before_any_is_graphed(setup,
     with pytest.raises(ValueError, match=re.escape(f"te_graph.graph_dropless_experts: {message}")):
         graph_dropless_experts(model, [8], probs_dtype=torch.float64, eager_replay=True)
     assert "forward" not in model[0].experts.__dict__
+
+
+class AlltoAllLike:
+    """The attributes by which a dispatcher is taken for megatron-core's alltoall dispatcher
+    (duck-typed, as for a fork of it): what the dispatch span's refusals read."""
+
+    def __init__(self, ep_size=1, tp_size=1, drop_and_pad=False):
+        self.ep_size, self.tp_size, self.drop_and_pad, self.shared_experts = ep_size, tp_size, drop_and_pad, None
+        self.sort_input_by_local_experts = torch.arange(E)
+
+    def _maybe_dtoh_and_synchronize(self, point, tokens_per_expert=None):
+        return tokens_per_expert
+
+
+@pytest.mark.parametrize("dispatcher, tokens, capacities, why", [
+    (object(), 16, [8], "its token dispatcher (object) is not megatron-core's alltoall dispatcher"),
+    (AlltoAllLike(ep_size=2), 16, [8], "its experts are split over ranks (expert-parallel size 2, expert "
+                                       "tensor-parallel size 1): the alltoall's split sizes come from the host"),
+    (AlltoAllLike(drop_and_pad=True), 16, [8], "it routes with drop-and-pad"),
+    (AlltoAllLike(), None, [8], "tokens= (the tokens one layer call routes) was not given"),
+    (AlltoAllLike(), 16, [16, 7], "capacity 7 is below the even share of 8 rows per expert (16 tokens, top-2 of 4 "
+                                  "experts), which no routing fits"),
+])
+def test_a_dispatch_span_the_layer_cannot_take_is_refused_by_name_and_auto_graphs_the_experts(
+        dispatcher, tokens, capacities, why):
+    layer = Layer()
+    layer.token_dispatcher = dispatcher
+    layer.config.moe_router_topk, layer.config.num_moe_experts = 2, E
+    with pytest.raises(ValueError, match=re.escape(
+            f"te_graph.graph_dropless_experts: span='dispatch' cannot graph this layer's dispatch: {why}. "
+            "Use span='experts' (or 'auto').")):
+        graph_dropless_experts(layer, capacities, tokens=tokens, span="dispatch", probs_dtype=torch.float64,
+                               eager_replay=True)
+    assert "forward" not in layer.experts.__dict__ and "routed_experts_compute" not in layer.__dict__
+    (installed,) = graph_dropless_experts(layer, capacities, tokens=tokens, probs_dtype=torch.float64,
+                                          eager_replay=True)
+    assert installed.span == "experts" and isinstance(layer.experts.__dict__["forward"].__self__, type(installed))
+
+
+def test_bad_spans_and_token_counts_are_refused():
+    layer = Layer()
+    with pytest.raises(ValueError, match=re.escape(
+            "te_graph.graph_dropless_experts: span='layer'; use 'auto', 'experts' or 'dispatch'.")):
+        graph_dropless_experts(layer, [8], span="layer", eager_replay=True)
+    with pytest.raises(ValueError, match=re.escape(
+            "te_graph.graph_dropless_experts: tokens must be a positive count, got 0.")):
+        graph_dropless_experts(layer, [8], tokens=0, eager_replay=True)
+    assert "forward" not in layer.experts.__dict__

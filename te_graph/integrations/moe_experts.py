@@ -18,10 +18,16 @@ round differently; benchmarks/bench_moe.py and tests/test_megatron_path.py repor
 FP8 (megatron-core's ``fp8`` config, any recipe TE graphs): the graphs are made with the
 layer's recipe and amax reduction group, as Megatron's own autocast uses them, and each call
 does around its replay the per-call Python state the eager TE wrappers would have changed
-(the weight-cache flag, ``is_first_microbatch``): see :meth:`DroplessExperts.forward`.
+(the weight-cache flag, ``is_first_microbatch``): see :meth:`DroplessExperts._replay`.
 
-The experts module keeps its identity, parameters and names: only its ``forward`` is
-replaced on the instance, and :meth:`DroplessExperts.remove` puts it back.
+Where every expert of a layer is local, the graphs can hold the dispatcher's work around the
+experts too (the padding's row indices, the pad and gather, the un-permutation, and their
+backward): ``span="dispatch"``, in :mod:`.moe_dispatch`, taken by default where a layer
+allows it.
+
+The experts module keeps its identity, parameters and names: only its ``forward`` (the
+dispatch span: three ``MoELayer`` methods) is replaced on the instance, and
+:meth:`DroplessExperts.remove` puts it back.
 """
 from __future__ import annotations
 
@@ -38,6 +44,7 @@ __all__ = ["DroplessExperts", "graph_dropless_experts", "capacities_for"]
 
 _ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 _OVERFLOW_ROWS = {"padded": 128, "eager": None}  # rows per expert the overflow capacity rounds up to
+_SPANS = ("auto", "experts", "dispatch")
 
 
 class _Padded(torch.nn.Module):
@@ -60,8 +67,13 @@ class _Padded(torch.nn.Module):
 
 
 class DroplessExperts:
-    """What :func:`graph_dropless_experts` installed on one experts module: its forward, and
-    the count of calls served by each capacity's graph (``calls``) and eagerly (``eager_calls``)."""
+    """What :func:`graph_dropless_experts` installed on one MoE layer: its capacity graphs
+    (``graphed``), the count of calls served by each capacity's graph (``calls``) and
+    eagerly (``eager_calls``), and ``span``: ``"experts"`` (the experts' forward replays a
+    graph of the experts alone) or ``"dispatch"`` (:class:`moe_dispatch.DroplessDispatch`:
+    from the permuted tokens to the combined output)."""
+
+    span = "experts"
 
     def __init__(self, experts: torch.nn.Module, graphed: torch.nn.Module, padded: Callable,
                  capacities: Sequence[int], num_experts: int, dtypes: tuple, fp8: bool, overflow_rows: Optional[int]):
@@ -79,12 +91,14 @@ class DroplessExperts:
         # forward clears (``TEGroupedLinear.forward``) and that Megatron sets again at each
         # step's first microbatch under FP8 (``MegatronModule.set_is_first_microbatch``).
         self._first_microbatch_flags = [m for m in experts.modules() if hasattr(m, "is_first_microbatch")]
-        experts.forward = self.forward
+        self._install()
+
+    def _install(self) -> None:
+        self.experts.forward = self.forward
 
     def forward(self, hidden: torch.Tensor, tokens_per_expert: Any, probs: torch.Tensor, **kwargs: Any) -> tuple:
         counts = tokens_per_expert.tolist() if isinstance(tokens_per_expert, torch.Tensor) else list(tokens_per_expert)
-        largest = max(counts) if counts else 0
-        capacity = next((c for c in self.capacities if c >= largest), None)
+        capacity = self._capacity(counts)
         # The experts' own forward: outside training, with keywords the graphs do not take,
         # inside another capture (a graph cannot replay inside a capture), and above the
         # largest capacity where overflow="eager".
@@ -92,6 +106,21 @@ class DroplessExperts:
                 or (capacity is None and self.overflow_rows is None)):
             self.eager_calls += 1
             return type(self.experts).forward(self.experts, hidden, tokens_per_expert, probs, **kwargs)
+        self._check_call(counts, hidden, probs)
+        run, capacity = self._runner(capacity, counts)
+        # Row of each token in the padded layout: expert e's i-th token goes to e * C + i.
+        rows = torch.cat([torch.arange(c, dtype=torch.long) + e * capacity for e, c in enumerate(counts)])
+        rows = rows.to(hidden.device, non_blocking=True)
+        padded = hidden.new_zeros(self.num_experts * capacity, hidden.shape[-1]).index_copy(0, rows, hidden)
+        padded_probs = probs.new_zeros(self.num_experts * capacity, *probs.shape[1:]).index_copy(0, rows, probs)
+        return self._replay(run, padded, padded_probs).index_select(0, rows), None
+
+    def _capacity(self, counts: Sequence[int]) -> Optional[int]:
+        """The smallest capacity that holds every expert's tokens (None: above the largest)."""
+        largest = max(counts) if counts else 0
+        return next((c for c in self.capacities if c >= largest), None)
+
+    def _check_call(self, counts: Sequence[int], hidden: torch.Tensor, probs: torch.Tensor) -> None:
         if len(counts) != self.num_experts:
             raise ValueError(
                 f"te_graph.graph_dropless_experts: the experts got token counts for {len(counts)} experts, but "
@@ -103,20 +132,20 @@ class DroplessExperts:
                 f"probabilities in {probs.dtype}, but their graphs were captured for {self.dtypes[0]} and "
                 f"{self.dtypes[1]}: pass probs_dtype={probs.dtype} to graph_dropless_experts (the "
                 "probabilities' dtype is megatron-core's moe_router_dtype where set).")
+
+    def _runner(self, capacity: Optional[int], counts: Sequence[int]) -> tuple[Callable, int]:
+        """The capacity's graph, or above the largest capacity the same padded program run
+        eagerly at a capacity rounded up to overflow_rows, so that such calls repeat a few
+        GEMM shapes (a GEMM shape new to cuBLASLt costs a host-side algorithm search at every
+        call); counted."""
         if capacity is None:
-            # Above the largest capacity: the same padded program, eagerly, at a capacity
-            # rounded up to overflow_rows, so that such calls repeat a few GEMM shapes (a GEMM
-            # shape new to cuBLASLt costs a host-side algorithm search at every call).
-            capacity = self.overflow_rows * math.ceil(largest / self.overflow_rows)
-            run, self.eager_calls = self.padded, self.eager_calls + 1
-        else:
-            run = self.graphed
-            self.calls[capacity] += 1
-        # Row of each token in the padded layout: expert e's i-th token goes to e * C + i.
-        rows = torch.cat([torch.arange(c, dtype=torch.long) + e * capacity for e, c in enumerate(counts)])
-        rows = rows.to(hidden.device, non_blocking=True)
-        padded = hidden.new_zeros(self.num_experts * capacity, hidden.shape[-1]).index_copy(0, rows, hidden)
-        padded_probs = probs.new_zeros(self.num_experts * capacity, *probs.shape[1:]).index_copy(0, rows, probs)
+            self.eager_calls += 1
+            return self.padded, self.overflow_rows * math.ceil(max(counts) / self.overflow_rows)
+        self.calls[capacity] += 1
+        return self.graphed, capacity
+
+    def _replay(self, run: Callable, *inputs: torch.Tensor) -> torch.Tensor:
+        """``run(*inputs)`` with the per-call Python state the eager TE wrappers keep."""
         flags = self._first_microbatch_flags
         if self.fp8 and run is self.graphed:
             # The captured weight casts read TE's device flag "skip the weight update": set it
@@ -125,14 +154,14 @@ class DroplessExperts:
             # fill kernel). No flag at all: TE quantizes at every call, as it does here.
             first = flags[0].is_first_microbatch if flags else True
             _fp8_state().set_skip_fp8_weight_update_tensor(first is False)
-        output = run(padded, padded_probs)
+        output = run(*inputs)
         # A replay runs no Python: clear the flag as the eager forward does, so that a later
         # eager call of this step does not take itself for the step's first. Under FP8 that
         # call would overwrite main_grad instead of adding to it (megatron-core sets the flag
         # again at each step's first microbatch, MegatronModule.set_is_first_microbatch).
         for module in flags:
             module.is_first_microbatch = False
-        return output.index_select(0, rows), None
+        return output
 
     def remove(self) -> None:
         """Put the experts' own forward back and free the graphs."""
@@ -155,6 +184,8 @@ def graph_dropless_experts(
     model: torch.nn.Module,
     capacities: Sequence[int],
     *,
+    tokens: Optional[int] = None,
+    span: str = "auto",
     probs_dtype: Optional[torch.dtype] = None,
     overflow: str = "padded",
     eager_replay: Optional[bool] = None,
@@ -165,13 +196,20 @@ def graph_dropless_experts(
     one layer share a pool (one capacity is in flight at a time), each layer has its own.
     Call it outside a training step, on a model in training mode; ``graph_options`` go to
     ``make_graphed_callables`` (``num_warmup_iters``; FP8 arguments, by default the layer's
-    own: see :func:`_fp8_arguments`). Layers trained in FP4 are refused. ``probs_dtype``: the
-    routing probabilities' dtype, by default megatron-core's ``moe_router_dtype`` where set,
-    else the parameters' dtype. ``overflow``: a call above the largest capacity runs the
-    padded program eagerly at a capacity rounded up to 128 rows ("padded": a few GEMM shapes
-    that cuBLASLt has met before, where the counts' own shapes would cost a host-side
-    algorithm search per GEMM at every call; more GEMM rows), or the experts' own forward
-    ("eager": the unpadded GEMMs).
+    own: see :func:`_fp8_arguments`). Layers trained in FP4 are refused.
+
+    ``span``: ``"experts"`` graphs the experts alone (any expert parallelism); ``"dispatch"``
+    graphs from the dispatcher's permuted tokens to the combined output
+    (:mod:`.moe_dispatch`: every expert local, ``tokens`` given, or it is refused, saying
+    why); ``"auto"`` (default) takes ``"dispatch"`` for each layer that allows it and
+    ``"experts"`` for the others. ``tokens``: the tokens one layer call routes (sequence x
+    micro-batch); a call with another number runs megatron-core's own dispatch and experts.
+    ``probs_dtype``: the routing probabilities' dtype, by default megatron-core's
+    ``moe_router_dtype`` where set, else the parameters' dtype. ``overflow``: a call above
+    the largest capacity runs the padded program eagerly at a capacity rounded up to 128 rows
+    ("padded": a few GEMM shapes that cuBLASLt has met before, where the counts' own shapes
+    would cost a host-side algorithm search per GEMM at every call; more GEMM rows), or the
+    experts' own forward ("eager": the unpadded GEMMs).
     Returns one :class:`DroplessExperts` per layer (``remove()`` undoes it)."""
     if not capacities or any(int(c) <= 0 for c in capacities):
         raise ValueError(f"te_graph.graph_dropless_experts: capacities must be positive row counts, got {list(capacities)}.")
@@ -181,17 +219,21 @@ def graph_dropless_experts(
                          "with .experts and .token_dispatcher).")
     if overflow not in _OVERFLOW_ROWS:
         raise ValueError(f"te_graph.graph_dropless_experts: overflow={overflow!r}; use 'padded' or 'eager'.")
+    if span not in _SPANS:
+        raise ValueError(f"te_graph.graph_dropless_experts: span={span!r}; use 'auto', 'experts' or 'dispatch'.")
+    if tokens is not None and int(tokens) <= 0:
+        raise ValueError(f"te_graph.graph_dropless_experts: tokens must be a positive count, got {tokens}.")
     if "pool" in graph_options:
         raise ValueError("te_graph.graph_dropless_experts: each layer's experts get a pool of their own (their "
                          "graphs replay in another order than they would be captured in across layers); leave "
                          "pool= unset.")
-    for layer in layers:  # every refusal before anything is graphed
-        _check_layer(layer)
     wanted = sorted({int(c) for c in capacities}, reverse=True)
+    spans = [_span_of(layer, span, tokens, wanted) for layer in layers]  # every refusal before anything is graphed
     installed: list[DroplessExperts] = []
     try:
-        for layer in layers:
-            installed.append(_install(layer, wanted, probs_dtype, _OVERFLOW_ROWS[overflow], eager_replay, graph_options))
+        for layer, layer_span in zip(layers, spans):
+            installed.append(_install(layer, layer_span, wanted, tokens, probs_dtype, _OVERFLOW_ROWS[overflow],
+                                      eager_replay, graph_options))
     except BaseException:
         for done in installed:  # a failure leaves the model as it was
             done.remove()
@@ -199,9 +241,36 @@ def graph_dropless_experts(
     return installed
 
 
-def _install(layer: torch.nn.Module, largest_first: list[int], probs_dtype: Optional[torch.dtype],
-             overflow_rows: Optional[int], eager_replay: Optional[bool], graph_options: dict) -> DroplessExperts:
+def _span_of(layer: torch.nn.Module, span: str, tokens: Optional[int], largest_first: list[int]) -> str:
+    """The span graphed for this layer, or the refusal (ValueError) of what was asked."""
+    from .moe_dispatch import dispatch_refusal  # noqa: PLC0415  (moe_dispatch builds on this module)
+
+    _check_layer(layer)
+    if span == "experts":
+        return span
+    why = dispatch_refusal(layer)
+    if why is None and tokens is None:
+        why = "tokens= (the tokens one layer call routes) was not given"
+    if why is None:
+        even = math.ceil(tokens * layer.config.moe_router_topk / layer.config.num_moe_experts)
+        if largest_first[-1] < even:
+            why = (f"capacity {largest_first[-1]} is below the even share of {even} rows per expert "
+                   f"({tokens} tokens, top-{layer.config.moe_router_topk} of {layer.config.num_moe_experts} "
+                   "experts), which no routing fits")
+    if why is None:
+        return "dispatch"
+    if span == "dispatch":
+        raise ValueError(f"te_graph.graph_dropless_experts: span='dispatch' cannot graph this layer's dispatch: "
+                         f"{why}. Use span='experts' (or 'auto').")
+    return "experts"
+
+
+def _install(layer: torch.nn.Module, span: str, largest_first: list[int], tokens: Optional[int],
+             probs_dtype: Optional[torch.dtype], overflow_rows: Optional[int], eager_replay: Optional[bool],
+             graph_options: dict) -> DroplessExperts:
     import te_graph  # noqa: PLC0415
+
+    from . import moe_dispatch  # noqa: PLC0415  (moe_dispatch builds on this module)
 
     experts = layer.experts
     num_experts = experts.num_local_experts
@@ -212,20 +281,24 @@ def _install(layer: torch.nn.Module, largest_first: list[int], probs_dtype: Opti
     # and dispatch permutes its probabilities as they are.
     probs = probs_dtype or _ROUTER_DTYPES.get(getattr(layer.config, "moe_router_dtype", None), dtype)
     padded = _Padded(experts, type(experts).forward.__get__(experts), num_experts)
-
-    def sample(capacity: int) -> tuple:
-        rows = num_experts * capacity
-        return (torch.zeros(rows, hidden_size, device=device, dtype=dtype, requires_grad=True),
-                torch.zeros(rows, device=device, dtype=probs, requires_grad=True))
-
+    if span == "dispatch":
+        program: torch.nn.Module = moe_dispatch.PaddedDispatch(
+            padded, moe_dispatch.module_of(layer.token_dispatcher).unpermute, bool(layer.config.moe_permute_fusion))
+        samples = moe_dispatch.dispatch_samples(layer, tokens, (dtype, probs), largest_first)
+    else:
+        program = padded
+        samples = [(torch.zeros(num_experts * c, hidden_size, device=device, dtype=dtype, requires_grad=True),
+                    torch.zeros(num_experts * c, device=device, dtype=probs, requires_grad=True)) for c in largest_first]
     fp8 = _fp8_arguments(layer) if not any(name in graph_options for name in FP8_ARGUMENTS) else {}
-    graphed = te_graph.make_graphed_callables(
-        padded, sample(largest_first[0]), more_shapes=[sample(c) for c in largest_first[1:]],
-        eager_replay=eager_replay, **fp8, **graph_options)
-    enabled = fp8.get("enabled", graph_options.get("enabled", graph_options.get("fp8_enabled", False)))
-    # The padded program without graphs (graphing put the graphed callable on the instance).
-    eager_padded = _Padded.forward.__get__(padded)
-    return DroplessExperts(experts, graphed, eager_padded, largest_first, num_experts, (dtype, probs), bool(enabled),
+    graphed = te_graph.make_graphed_callables(program, samples[0], more_shapes=samples[1:], eager_replay=eager_replay,
+                                              **fp8, **graph_options)
+    enabled = bool(fp8.get("enabled", graph_options.get("enabled", graph_options.get("fp8_enabled", False))))
+    # The program without graphs (graphing put the graphed callable on the instance).
+    eager_program = type(program).forward.__get__(program)
+    if span == "dispatch":
+        return moe_dispatch.DroplessDispatch(layer, graphed, eager_program, largest_first, (dtype, probs), enabled,
+                                             overflow_rows, tokens)
+    return DroplessExperts(experts, graphed, eager_program, largest_first, num_experts, (dtype, probs), enabled,
                            overflow_rows)
 
 
@@ -265,7 +338,8 @@ def _check_layer(layer: torch.nn.Module) -> None:
     """What graph_dropless_experts refuses, with the reason (before anything changes)."""
     experts, config = layer.experts, layer.config
     name = type(experts).__name__
-    if isinstance(getattr(experts.forward, "__self__", None), DroplessExperts):
+    if any(isinstance(getattr(method, "__self__", None), DroplessExperts)
+           for method in (experts.forward, getattr(layer, "routed_experts_compute", None))):
         raise ValueError("te_graph.graph_dropless_experts: these experts are graphed already; remove() first.")
     if "forward" in experts.__dict__:
         raise ValueError(
