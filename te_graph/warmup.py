@@ -217,34 +217,60 @@ def outputs_fed(tensors: Sequence[torch.Tensor]) -> tuple[frozenset, ...]:
     feed each other, and a custom ``autograd.Function`` on the way (which may hand back no
     gradient) ends the path: eager autograd would then skip this output's part of the
     backward, where zeros could turn into NaN, so that output must get a gradient at every
-    call."""
+    call. The exceptions are the custom Functions of ``_CUSTOM_DELIVERIES``, crossed from the
+    outputs whose gradient they are known to pass on."""
     slots = [(t.grad_fn, t.output_nr) if t.requires_grad and t.grad_fn is not None else None for t in tensors]
     if sum(s is not None for s in slots) < 2:
         return tuple(frozenset() for _ in tensors)
-    reached = [_slots_reached(s[0]) if s is not None else frozenset() for s in slots]
+    reached = [_slots_reached(*s) if s is not None else frozenset() for s in slots]
     return tuple(
         frozenset(j for j, seen in enumerate(reached) if j != i and slot is not None and slot in seen)
         for i, slot in enumerate(slots)
     )
 
 
-def _slots_reached(start: Any) -> frozenset:
-    """The (node, output number) slots a backward from ``start`` delivers gradients to,
-    passing through built-in nodes only (a custom Function's node is reached, not crossed)."""
+# Custom autograd Functions known to hand an input a gradient whenever a given output of
+# theirs gets one, by the name of their forward class: {output number: positions among the
+# forward's tensor inputs (a non-tensor argument has no edge)}. TE's fused MoE permutation
+# (TE 2.20 ``permutation.py``, the custom op ``te_moe::permute_mask_map_fwd`` whose autograd
+# torch generates): its tensor inputs are the tokens, the routing map and the router's
+# probabilities (then the pad offsets, where given), and its backward returns the
+# probabilities' gradient wherever they require grad and the permuted probabilities (output
+# 2) got one (``_moe_permute_mask_map_backward_wrapper``). megatron-core's MoE layers graphed
+# up to token dispatch with ``moe_permute_fusion`` return the router's probabilities beside
+# the permuted ones.
+_CUSTOM_DELIVERIES = {
+    "GeneratedBackwardFor_te_moe_permute_mask_map_fwd_default": {2: (2,)},
+}
+
+
+def _slots_reached(start: Any, output_nr: int) -> frozenset:
+    """The (node, output number) slots a backward from output ``output_nr`` of ``start``
+    delivers gradients to, through built-in nodes (from any of their outputs) and the custom
+    Functions of ``_CUSTOM_DELIVERIES`` (from the outputs named there); any other custom
+    Function's node is reached, not crossed."""
     seen: set = set()
-    stack, crossed = [start], {start}
+    stack, crossed = [(start, output_nr)], {_crossing(start, output_nr)}
     while stack:
-        node = stack.pop()
+        node, entered = stack.pop()
+        edges = node.next_functions
         if isinstance(node, torch.autograd.function.BackwardCFunction):
-            continue
-        for edge, output_nr in node.next_functions:
+            delivered = _CUSTOM_DELIVERIES.get(getattr(getattr(node, "_forward_cls", None), "__name__", None), {})
+            edges = tuple(edges[i] for i in delivered.get(entered, ()) if i < len(edges))
+        for edge, nr in edges:
             if edge is None:
                 continue
-            seen.add((edge, output_nr))
-            if edge not in crossed:
-                crossed.add(edge)
-                stack.append(edge)
+            seen.add((edge, nr))
+            if _crossing(edge, nr) not in crossed:
+                crossed.add(_crossing(edge, nr))
+                stack.append((edge, nr))
     return frozenset(seen)
+
+
+def _crossing(node: Any, output_nr: int) -> tuple:
+    """A built-in node is crossed once, whichever output it is entered from; a custom
+    Function's once per output (what it passes on depends on the output)."""
+    return (node, output_nr if isinstance(node, torch.autograd.function.BackwardCFunction) else None)
 
 
 def _tensor_leaves(outputs: Any) -> list[torch.Tensor]:
