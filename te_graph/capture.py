@@ -33,6 +33,7 @@ import torch
 
 import rng
 from checkpointing.capture_hook import capture_hook_set
+from checkpointing.recompute_state import cuda_stream_capturing
 
 from . import compat, host_sync
 from .te_support import FP8Capture, FP8Options, forget_stand_in_caches, fp8_replay, is_te_module
@@ -367,20 +368,27 @@ def capturing(name: str, graph: Any, mempool: Any, generators: Sequence[torch.Ge
     the body is refused by name (``host_sync``): before CUDA sees it where torch lets
     te_graph see it first, else told from CUDA's capture error."""
     compat.register_generators(graph, generators)
+    begun = False
     try:
         graph.capture_begin(pool=mempool, capture_error_mode=mode)
-        with host_sync.waits_refused(name):
-            yield
+        begun = True
+        try:
+            with host_sync.waits_refused(name):
+                yield
+        except BaseException as error:
+            refusal = host_sync.refusal_of(name, error)
+            if refusal is None or refusal is error:
+                raise
+            raise refusal from error
         graph.capture_end()
-    except BaseException as error:
-        with contextlib.suppress(Exception):
-            graph.capture_end()
-        with contextlib.suppress(Exception):  # the stream may still be capturing: the error above says why
-            compat.end_generator_capture(generators)
-        refusal = host_sync.refusal_of(name, error)
-        if refusal is None or refusal is error:
-            raise
-        raise refusal from error
+    except BaseException:
+        if begun:  # a capture_begin that failed began nothing to end (it may sit inside another capture)
+            with contextlib.suppress(Exception):
+                graph.capture_end()
+        if not cuda_stream_capturing():  # an empty capture cannot start inside one; the error says why
+            with contextlib.suppress(Exception):
+                compat.end_generator_capture(generators)
+        raise
 
 
 def _capture_forward(spec: GraphSpec, static_inputs: tuple, recompute: RecomputeRNG, mempool: Any, mode: str,

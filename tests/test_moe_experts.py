@@ -182,12 +182,19 @@ class AlltoAllLike:
                                        "tensor-parallel size 1): the alltoall's split sizes come from the host"),
     (AlltoAllLike(drop_and_pad=True), 16, [8], "it routes with drop-and-pad"),
     (AlltoAllLike(), None, [8], "tokens= (the tokens one layer call routes) was not given"),
-    (AlltoAllLike(), 16, [16, 7], "capacity 7 is below the even share of 8 rows per expert (16 tokens, top-2 of 4 "
-                                  "experts), which no routing fits"),
+    (AlltoAllLike(), 16, [7, 6], "every capacity is below the even share of 8 rows per expert (16 tokens, top-2 "
+                                 "of 4 experts), which no routing fits"),
+    (AlltoAllLike(), 16, [8], f"the module of its dispatcher's class ({__name__}) has no permute and unpermute"),
+    ("hooked", 16, [8], "its experts module has forward hooks, which run where megatron-core calls the experts "
+                        "(the dispatch graphs call their forward within)"),
 ])
 def test_a_dispatch_span_the_layer_cannot_take_is_refused_by_name_and_auto_graphs_the_experts(
         dispatcher, tokens, capacities, why):
     layer = Layer()
+    hooked = dispatcher == "hooked"
+    if hooked:
+        dispatcher = AlltoAllLike()
+        layer.experts.register_forward_hook(lambda module, args, output: None)
     layer.token_dispatcher = dispatcher
     layer.config.moe_router_topk, layer.config.num_moe_experts = 2, E
     with pytest.raises(ValueError, match=re.escape(
@@ -196,6 +203,8 @@ def test_a_dispatch_span_the_layer_cannot_take_is_refused_by_name_and_auto_graph
         graph_dropless_experts(layer, capacities, tokens=tokens, span="dispatch", probs_dtype=torch.float64,
                                eager_replay=True)
     assert "forward" not in layer.experts.__dict__ and "routed_experts_compute" not in layer.__dict__
+    if hooked:
+        return  # the experts span refuses hooked experts too (make_graphed_callables' submodule check)
     (installed,) = graph_dropless_experts(layer, capacities, tokens=tokens, probs_dtype=torch.float64,
                                           eager_replay=True)
     assert installed.span == "experts" and isinstance(layer.experts.__dict__["forward"].__self__, type(installed))

@@ -19,7 +19,10 @@ The chunk sorts the dispatcher would run around the experts are the identity per
 when every expert is local (``sort_input_by_local_experts`` is ``0, 1, ..., E-1``), and its
 alltoall over one rank returns its input, so leaving them out changes no bit: a call equals
 the experts-only capacity graphs, and te_graph's eager replay of the same program, bitwise
-(tests/test_megatron_path.py).
+(tests/test_megatron_path.py), wherever megatron-core's own un-permutation is
+deterministic: with top-2 routing (its unfused ``scatter_add_`` adds two rows into zero in
+either order alike) or under torch's deterministic algorithms (the tests route top-2, with
+the unfused and TE's fused un-permutation).
 
 What is installed on the ``MoELayer`` instance (the class is untouched, ``remove()`` undoes
 it): ``routed_experts_compute`` (the host wait for the counts, the capacity's graph),
@@ -39,9 +42,11 @@ from checkpointing.recompute_state import cuda_stream_capturing
 
 from .moe_experts import DroplessExperts
 
-__all__ = ["DroplessDispatch", "PaddedDispatch", "dispatch_refusal", "dispatch_samples", "module_of"]
+__all__ = ["DroplessDispatch", "PaddedDispatch", "capacity_shape", "dispatch_refusal", "dispatch_samples",
+           "functions_refusal", "module_of"]
 
 _LAYER_METHODS = ("routed_experts_compute", "combine", "postprocess")
+_WHOLE_FORWARD = ["route", "expert_compute", "postprocess"]  # MoELayer.fwd_execution_map, one call
 
 
 def dispatch_refusal(layer: torch.nn.Module) -> Optional[str]:
@@ -53,8 +58,19 @@ def dispatch_refusal(layer: torch.nn.Module) -> Optional[str]:
     if getattr(dispatcher, "ep_size", 1) != 1 or getattr(dispatcher, "tp_size", 1) != 1:
         return (f"its experts are split over ranks (expert-parallel size {dispatcher.ep_size}, expert "
                 f"tensor-parallel size {dispatcher.tp_size}): the alltoall's split sizes come from the host")
+    experts = layer.experts
+    modules = torch.nn.modules.module
+    scopes = [str(m).rsplit(".", 1)[-1] for m in (getattr(config, "cuda_graph_modules", None) or ())]
     reasons = [
         (getattr(dispatcher, "drop_and_pad", False), "it routes with drop-and-pad"),
+        (hasattr(layer, "_inference_token_dispatcher"),
+         "it swaps in an inference dispatcher (transformer_impl='inference_optimized')"),
+        (getattr(config, "cuda_graph_impl", None) == "local" and {"moe_router", "moe_preprocess"} & set(scopes),
+         "megatron-core's own graphs (cuda_graph_impl='local') split its forward at the router"),
+        (experts._forward_pre_hooks or experts._forward_hooks or modules._global_forward_pre_hooks
+         or modules._global_forward_hooks,
+         "its experts module has forward hooks, which run where megatron-core calls the experts "
+         "(the dispatch graphs call their forward within)"),
         (getattr(dispatcher, "shared_experts", None) is not None,
          "its shared experts overlap the dispatch (moe_shared_expert_overlap)"),
         (getattr(config, "moe_router_padding_for_quantization", False),
@@ -100,6 +116,15 @@ class PaddedDispatch(torch.nn.Module):
                                routing_map=routing_map, fused=self.fused, drop_and_pad=False)
 
 
+def functions_refusal(layer: torch.nn.Module) -> Optional[str]:
+    """Why the graphs could not call the dispatcher's own ``permute`` and ``unpermute`` (the
+    module its class is defined in must hold them, as megatron-core's does)."""
+    module = module_of(layer.token_dispatcher)
+    if not all(callable(getattr(module, name, None)) for name in ("permute", "unpermute")):
+        return f"the module of its dispatcher's class ({module.__name__}) has no permute and unpermute"
+    return None
+
+
 def dispatch_samples(layer: torch.nn.Module, tokens: int, dtypes: tuple, capacities: Sequence[int]) -> list[tuple]:
     """One sample set per capacity (largest first) for :class:`PaddedDispatch`: a routing of
     ``tokens`` tokens that sends each to ``topk`` experts in turn (every expert's count at most
@@ -116,7 +141,12 @@ def dispatch_samples(layer: torch.nn.Module, tokens: int, dtypes: tuple, capacit
         permuted, probs, mapping, *_ = module_of(dispatcher).permute(
             hidden, routing_map, probs=dense_probs, num_out_tokens=tokens * topk, fused=config.moe_permute_fusion)
     return [(permuted.detach().requires_grad_(), probs.detach().requires_grad_(), routing_map, mapping,
-             torch.empty(c, 0, device=device)) for c in capacities]
+             capacity_shape(c, device)) for c in capacities]
+
+
+def capacity_shape(capacity: int, device: torch.device) -> torch.Tensor:
+    """The empty tensor whose row count tells a ``PaddedDispatch`` its capacity."""
+    return torch.empty(capacity, 0, device=device, dtype=torch.uint8)
 
 
 class DroplessDispatch(DroplessExperts):
@@ -128,6 +158,7 @@ class DroplessDispatch(DroplessExperts):
     def __init__(self, layer: torch.nn.Module, graphed: torch.nn.Module, padded: Callable,
                  capacities: Sequence[int], dtypes: tuple, fp8: bool, overflow_rows: Optional[int], tokens: int):
         self.layer = layer
+        self.dispatcher = layer.token_dispatcher  # the one vetted (dispatch_refusal)
         self.tokens = tokens
         self.rows = tokens * layer.config.moe_router_topk  # permuted tokens per call
         self._own = {name: getattr(layer, name) for name in _LAYER_METHODS}  # megatron-core's, bound
@@ -142,7 +173,12 @@ class DroplessDispatch(DroplessExperts):
 
     def routed_experts_compute(self, hidden: torch.Tensor, probs: torch.Tensor) -> tuple:
         layer, dispatcher = self.layer, self.layer.token_dispatcher
-        if not layer.training or cuda_stream_capturing() or hidden.shape[0] != self.rows:
+        self._combined = None
+        # megatron-core's own methods where the graphs do not serve the call: outside
+        # training, inside another capture, another dispatcher swapped in, a forward split
+        # into separate calls (megatron-core's own graphs), another number of tokens.
+        if (not layer.training or cuda_stream_capturing() or dispatcher is not self.dispatcher
+                or getattr(layer, "fwd_execution_map", None) != _WHOLE_FORWARD or hidden.shape[0] != self.rows):
             self.eager_calls += 1
             return self._own["routed_experts_compute"](hidden, probs)
         # The dispatcher's own host copy of the counts, at the points its dispatch_postprocess
@@ -152,12 +188,15 @@ class DroplessDispatch(DroplessExperts):
         counts = dispatcher._maybe_dtoh_and_synchronize("before_finish", counts)
         listed = counts.tolist()
         capacity = self._capacity(listed)
-        if capacity is None and self.overflow_rows is None:
+        # Every token sent to top-k experts is what the graphs' row map assumes (a router of
+        # one's own may send fewer): megatron-core's own methods otherwise, as above the
+        # largest capacity with overflow="eager".
+        if sum(listed) != self.rows or (capacity is None and self.overflow_rows is None):
             self.eager_calls += 1
             dispatcher.tokens_per_expert = counts
             return self._own["routed_experts_compute"](hidden, probs)
-        dispatcher.tokens_per_expert = None  # as dispatch_postprocess leaves it
         self._check_call(listed, hidden, probs)
+        dispatcher.tokens_per_expert = None  # as dispatch_postprocess leaves it
         run, capacity = self._runner(capacity, listed)
         output = self._replay(run, hidden, probs, dispatcher.routing_map,
                               dispatcher.reversed_local_input_permutation_mapping, self._capacity_shape(capacity, hidden))
@@ -169,6 +208,12 @@ class DroplessDispatch(DroplessExperts):
 
     def postprocess(self, output: torch.Tensor, shared_expert_output: Optional[torch.Tensor]) -> torch.Tensor:
         if output is not self._combined:
+            if self._combined is not None:
+                raise RuntimeError(
+                    "te_graph.graph_dropless_experts: this MoE layer's postprocess got another tensor than its "
+                    "routed_experts_compute returned, which was combined already (the dispatch graphs "
+                    "un-permute); megatron-core's postprocess would un-permute it again. Something between them "
+                    "(a hook, a subclass) replaced the output: graph with span='experts'.")
             return self._own["postprocess"](output, shared_expert_output)
         self._combined = None
         output = output.view(self.layer.token_dispatcher.hidden_shape)
@@ -177,7 +222,7 @@ class DroplessDispatch(DroplessExperts):
     def _capacity_shape(self, capacity: int, like: torch.Tensor) -> torch.Tensor:
         shape = self._capacity_shapes.get(capacity)
         if shape is None:
-            shape = self._capacity_shapes[capacity] = torch.empty(capacity, 0, device=like.device)
+            shape = self._capacity_shapes[capacity] = capacity_shape(capacity, like.device)
         return shape
 
     def remove(self) -> None:

@@ -32,6 +32,7 @@ dispatch span: three ``MoELayer`` methods) is replaced on the instance, and
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -228,12 +229,12 @@ def graph_dropless_experts(
                          "graphs replay in another order than they would be captured in across layers); leave "
                          "pool= unset.")
     wanted = sorted({int(c) for c in capacities}, reverse=True)
-    spans = [_span_of(layer, span, tokens, wanted) for layer in layers]  # every refusal before anything is graphed
+    plans = [_span_of(layer, span, tokens, wanted) for layer in layers]  # every refusal before anything is graphed
     installed: list[DroplessExperts] = []
     try:
-        for layer, layer_span in zip(layers, spans):
-            installed.append(_install(layer, layer_span, wanted, tokens, probs_dtype, _OVERFLOW_ROWS[overflow],
-                                      eager_replay, graph_options))
+        for layer, (layer_span, layer_capacities) in zip(layers, plans):
+            installed.append(_install(layer, layer_span, layer_capacities, tokens, probs_dtype,
+                                      _OVERFLOW_ROWS[overflow], eager_replay, graph_options))
     except BaseException:
         for done in installed:  # a failure leaves the model as it was
             done.remove()
@@ -241,28 +242,41 @@ def graph_dropless_experts(
     return installed
 
 
-def _span_of(layer: torch.nn.Module, span: str, tokens: Optional[int], largest_first: list[int]) -> str:
-    """The span graphed for this layer, or the refusal (ValueError) of what was asked."""
-    from .moe_dispatch import dispatch_refusal  # noqa: PLC0415  (moe_dispatch builds on this module)
+def _span_of(layer: torch.nn.Module, span: str, tokens: Optional[int], largest_first: list[int]) -> tuple[str, list]:
+    """The span graphed for this layer and its capacities, or the refusal (ValueError) of
+    what was asked."""
+    from .moe_dispatch import dispatch_refusal, functions_refusal  # noqa: PLC0415  (it builds on this module)
 
     _check_layer(layer)
     if span == "experts":
-        return span
-    why = dispatch_refusal(layer)
+        return span, largest_first
+    why, fitting, left_out = dispatch_refusal(layer), largest_first, None
     if why is None and tokens is None:
         why = "tokens= (the tokens one layer call routes) was not given"
     if why is None:
-        even = math.ceil(tokens * layer.config.moe_router_topk / layer.config.num_moe_experts)
-        if largest_first[-1] < even:
-            why = (f"capacity {largest_first[-1]} is below the even share of {even} rows per expert "
-                   f"({tokens} tokens, top-{layer.config.moe_router_topk} of {layer.config.num_moe_experts} "
-                   "experts), which no routing fits")
+        # The busiest expert gets at least the even share: a smaller capacity never holds a
+        # call (and no sample routing fits it). Left out, not refused.
+        config = layer.config
+        even = math.ceil(tokens * config.moe_router_topk / config.num_moe_experts)
+        fitting = [c for c in largest_first if c >= even]
+        if not fitting:
+            why = (f"every capacity is below the even share of {even} rows per expert ({tokens} tokens, "
+                   f"top-{config.moe_router_topk} of {config.num_moe_experts} experts), which no routing fits")
+        elif len(fitting) < len(largest_first):
+            left_out = (f"te_graph.graph_dropless_experts: capacities {sorted(set(largest_first) - set(fitting))} "
+                        f"are below the even share of {even} rows per expert ({tokens} tokens, "
+                        f"top-{config.moe_router_topk} of {config.num_moe_experts} experts), so no call fits "
+                        "them: they are not graphed.")
     if why is None:
-        return "dispatch"
+        why = functions_refusal(layer)
+    if why is None:
+        if left_out is not None:
+            warnings.warn(left_out, stacklevel=3)
+        return "dispatch", fitting
     if span == "dispatch":
         raise ValueError(f"te_graph.graph_dropless_experts: span='dispatch' cannot graph this layer's dispatch: "
                          f"{why}. Use span='experts' (or 'auto').")
-    return "experts"
+    return "experts", largest_first
 
 
 def _install(layer: torch.nn.Module, span: str, largest_first: list[int], tokens: Optional[int],
