@@ -40,7 +40,7 @@ import torch
 
 from checkpointing.recompute_state import cuda_stream_capturing
 
-from .moe_experts import DroplessExperts
+from .moe_experts import DroplessExperts, padded_layout
 
 __all__ = ["DroplessDispatch", "PaddedDispatch", "capacity_shape", "dispatch_refusal", "dispatch_samples",
            "functions_refusal", "module_of"]
@@ -101,16 +101,9 @@ class PaddedDispatch(torch.nn.Module):
 
     def forward(self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
                 mapping: torch.Tensor, capacity: torch.Tensor) -> torch.Tensor:
-        rows_per_expert, experts = capacity.shape[0], routing_map.shape[1]
-        counts = routing_map.sum(dim=0)  # tokens per expert, as the dispatcher counts them
-        ends = counts.cumsum(dim=0)
-        position = torch.arange(tokens.shape[0], device=tokens.device)
-        # Permuted tokens are grouped by expert, in token order: position j belongs to the
-        # first expert whose group ends after it.
-        expert = torch.searchsorted(ends, position, right=True)
-        rows = expert * rows_per_expert + position - (ends - counts).index_select(0, expert)
-        padded = tokens.new_zeros(experts * rows_per_expert, tokens.shape[-1]).index_copy(0, rows, tokens)
-        padded_probs = probs.new_zeros(experts * rows_per_expert, *probs.shape[1:]).index_copy(0, rows, probs)
+        # The permuted tokens are grouped by expert, in token order; the dispatcher counts them
+        # from the routing map as this does.
+        padded, padded_probs, rows = padded_layout(tokens, probs, routing_map.sum(dim=0), capacity.shape[0])
         output = self.padded_experts(padded, padded_probs).index_select(0, rows)
         return self._unpermute(output, mapping, restore_shape=torch.Size((routing_map.shape[0], tokens.shape[-1])),
                                routing_map=routing_map, fused=self.fused, drop_and_pad=False)

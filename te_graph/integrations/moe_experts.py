@@ -41,7 +41,7 @@ from checkpointing.recompute_state import cuda_stream_capturing
 
 from ..te_support import FP8_ARGUMENTS
 
-__all__ = ["DroplessExperts", "graph_dropless_experts", "capacities_for"]
+__all__ = ["DroplessExperts", "graph_dropless_experts", "capacities_for", "padded_layout"]
 
 _ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 _OVERFLOW_ROWS = {"padded": 128, "eager": None}  # rows per expert the overflow capacity rounds up to
@@ -109,11 +109,8 @@ class DroplessExperts:
             return type(self.experts).forward(self.experts, hidden, tokens_per_expert, probs, **kwargs)
         self._check_call(counts, hidden, probs)
         run, capacity = self._runner(capacity, counts)
-        # Row of each token in the padded layout: expert e's i-th token goes to e * C + i.
-        rows = torch.cat([torch.arange(c, dtype=torch.long) + e * capacity for e, c in enumerate(counts)])
-        rows = rows.to(hidden.device, non_blocking=True)
-        padded = hidden.new_zeros(self.num_experts * capacity, hidden.shape[-1]).index_copy(0, rows, hidden)
-        padded_probs = probs.new_zeros(self.num_experts * capacity, *probs.shape[1:]).index_copy(0, rows, probs)
+        on_device = torch.tensor(counts, dtype=torch.long).to(hidden.device, non_blocking=True)
+        padded, padded_probs, rows = padded_layout(hidden, probs, on_device, capacity)
         return self._replay(run, padded, padded_probs).index_select(0, rows), None
 
     def _capacity(self, counts: Sequence[int]) -> Optional[int]:
@@ -170,6 +167,22 @@ class DroplessExperts:
 
         self.experts.__dict__.pop("forward", None)
         te_graph.reset(self.graphed)
+
+
+def padded_layout(tokens: torch.Tensor, probs: torch.Tensor, counts: torch.Tensor, capacity: int) -> tuple:
+    """Tokens grouped by expert (``counts`` per expert, a tensor on their device) laid out
+    ``capacity`` rows per expert: expert ``e``'s ``i``-th token at row ``e * capacity + i``,
+    zero rows after the real ones. Returns the padded tokens and probabilities and each
+    token's row (to gather the real rows back)."""
+    ends = counts.cumsum(dim=0)
+    position = torch.arange(tokens.shape[0], device=tokens.device)
+    # Position j belongs to the first expert whose group ends after it.
+    expert = torch.searchsorted(ends, position, right=True)
+    rows = expert * capacity + position - (ends - counts).index_select(0, expert)
+    size = counts.shape[0] * capacity
+    padded = tokens.new_zeros(size, tokens.shape[-1]).index_copy(0, rows, tokens)
+    padded_probs = probs.new_zeros(size, *probs.shape[1:]).index_copy(0, rows, probs)
+    return padded, padded_probs, rows
 
 
 def capacities_for(tokens: int, topk: int, num_experts: int, factors: Sequence[float], multiple: int = 16) -> list[int]:
