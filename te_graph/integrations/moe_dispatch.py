@@ -183,7 +183,7 @@ class DroplessDispatch(DroplessExperts):
         capacity = self._capacity(listed)
         # Every token sent to top-k experts is what the graphs' row map assumes (a router of
         # one's own may send fewer): megatron-core's own methods otherwise, as above the
-        # largest capacity with overflow="eager".
+        # largest capacity with overflow="eager" (megatron-core 0.19's then fail as eagerly).
         if sum(listed) != self.rows or (capacity is None and self.overflow_rows is None):
             self.eager_calls += 1
             dispatcher.tokens_per_expert = counts
