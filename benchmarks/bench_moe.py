@@ -29,6 +29,13 @@ drop-and-pad setup; 0 for dropless routing)::
 
     python benchmarks/bench_moe.py --precisions bf16,delayed --steps 12 --out /tmp/moe.json
 
+Rows of separate processes vary from process to process and machine to machine (20-40 %
+measured on single-H100 machines, docs/performance.md): ``--repeats N`` runs every row N
+times, in rounds whose order alternates (forward, then reversed), and ends with each row's
+median over the rounds and its ratio to the reference row (``--reference``, by default
+``te_graph drop-pad``): the median of the ratios within each round, whose rows ran next to
+each other.
+
 ``--expert-parallel 2`` runs every row under torchrun on 2 GPUs of this host, the experts
 split over them (alltoall dispatch over NCCL, data parallel, each rank its own batches); a
 row's time and footprint are its slowest rank's, each rank's median is printed beside it
@@ -38,6 +45,7 @@ other at the first alltoall).
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 
 from _megatron_run import model_arguments, run_example, save
@@ -88,8 +96,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--expert-parallel", type=int, default=1, help="ranks (GPUs) the experts are split over")
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--timeout", type=int, default=600)
+    p.add_argument("--repeats", type=int, default=1, help="rounds of every row (alternating order)")
+    p.add_argument("--reference", default="te_graph drop-pad", help="the row the summary's ratios are to")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error("--repeats must be at least 1")
     rows = args.rows.split(",")
     unknown = [r for r in rows if r not in ROWS]
     if unknown:
@@ -105,23 +117,51 @@ def main(argv: list[str] | None = None) -> int:
             # The share drop-and-pad drops, from eager steps (a sync point per router call).
             counted = _run("eager", _DROP_PAD + ["--count-dropped", "1"], precision, args, steps=3)
             dropped = counted.get("tokens_dropped")
-        for row in rows:
+        for round_, row in rounds(rows, args.repeats):
             graphs, extra = ROWS[row]
             result = _run(graphs, extra, precision, args, args.steps)
             if "ms" in result:
                 result["tokens_dropped"] = dropped if extra == _DROP_PAD else 0.0
-            results.append({"precision": precision, "row": row, **result})
+            results.append({"precision": precision, "row": row, "round": round_, **result})
+            where = f" round {round_ + 1}" if args.repeats > 1 else ""
             if "ms" in result:
                 share = "?" if result["tokens_dropped"] is None else f"{100 * result['tokens_dropped']:.1f} %"
                 calls = f"  expert calls {result['expert_calls']}" if result.get("expert_calls") else ""
                 ranks = ("  per rank " + " / ".join(f"{ms:.2f}" for ms in result["ms_per_rank"])
                          if len(result["ms_per_rank"]) > 1 else "")
-                print(f"{precision:9} {row:31} {result['ms']:8.2f} ms  {result['footprint_mib']:7.0f} MiB  "
+                print(f"{precision:9} {row:31}{where} {result['ms']:8.2f} ms  {result['footprint_mib']:7.0f} MiB  "
                       f"capture {result['capture_s'] or 0:5.2f} s  dropped {share}{calls}{ranks}", flush=True)
             else:
-                print(f"{precision:9} {row:31} failed: {result['error'][:300]}", flush=True)
+                print(f"{precision:9} {row:31}{where} failed: {result['error'][:300]}", flush=True)
             save(args.out, results)
+        if args.repeats > 1:
+            print("\n".join(summary_lines([r for r in results if r["precision"] == precision], args.reference)))
     return 0
+
+
+def rounds(rows: list[str], repeats: int) -> list[tuple[int, str]]:
+    """(round, row) in run order: every row once per round, the order reversed every other
+    round, so that a drift of the machine over the run weighs on no row more than another."""
+    return [(i, row) for i in range(repeats) for row in (rows if i % 2 == 0 else rows[::-1])]
+
+
+def summary_lines(results: list[dict], reference: str) -> list[str]:
+    """Per row: the median ms over its rounds, their range, and the median over rounds of its
+    ratio to ``reference`` in the same round (rounds where either failed are left out)."""
+    by_round: dict[int, dict[str, float]] = {}
+    for r in results:
+        if "ms" in r:
+            by_round.setdefault(r["round"], {})[r["row"]] = r["ms"]
+    lines = [f"over {len(by_round)} rounds: row, median ms (min-max), median ratio to {reference!r} within a round"]
+    for row in dict.fromkeys(r["row"] for r in results):
+        times = [ms[row] for ms in by_round.values() if row in ms]
+        if not times:
+            lines.append(f"  {row:31} failed in every round")
+            continue
+        ratios = [ms[row] / ms[reference] for ms in by_round.values() if row in ms and reference in ms]
+        ratio = f"{statistics.median(ratios):.2f}x over {len(ratios)} rounds" if ratios else "n/a"
+        lines.append(f"  {row:31} {statistics.median(times):8.2f} ({min(times):.2f}-{max(times):.2f})  {ratio}")
+    return lines
 
 
 if __name__ == "__main__":

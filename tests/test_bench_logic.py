@@ -243,3 +243,22 @@ def test_the_host_timeline_clocks_te_graphs_functions_and_puts_them_back():
     assert params[0].grad is buffers[0]  # the clocked function ran
     assert list(totals) == ["  parameter-gradient bookkeeping"] and totals["  parameter-gradient bookkeeping"] > 0
     assert (grads.ParamGrads.__dict__["prepare_in_graph"], replay._Replay.__dict__["backward"]) == originals
+
+
+def test_moe_rounds_alternate_their_order_and_the_summary_takes_ratios_within_a_round():
+    import bench_moe
+
+    assert bench_moe.rounds(["a", "b", "c"], 3) == [(0, "a"), (0, "b"), (0, "c"), (1, "c"), (1, "b"), (1, "a"),
+                                                   (2, "a"), (2, "b"), (2, "c")]
+    buckets, reference = "te_graph buckets", "te_graph drop-pad"
+    # A machine slower in round 1 for both rows; in round 2 the reference failed.
+    results = [{"row": buckets, "round": 0, "ms": 40.0}, {"row": reference, "round": 0, "ms": 32.0},
+               {"row": reference, "round": 1, "ms": 40.0}, {"row": buckets, "round": 1, "ms": 50.0},
+               {"row": buckets, "round": 2, "ms": 36.0}, {"row": reference, "round": 2, "error": "boom"},
+               {"row": "eager", "round": 0, "error": "boom"}]
+    assert bench_moe.summary_lines(results, reference) == [
+        f"over 3 rounds: row, median ms (min-max), median ratio to {reference!r} within a round",
+        f"  {buckets:31}    40.00 (36.00-50.00)  1.25x over 2 rounds",
+        f"  {reference:31}    36.00 (32.00-40.00)  1.00x over 2 rounds",
+        f"  {'eager':31} failed in every round",
+    ]
