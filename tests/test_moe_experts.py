@@ -129,6 +129,46 @@ def test_probabilities_of_another_dtype_than_captured_are_refused_at_the_call():
         layer.experts(hidden, torch.tensor([1, 1, 1, 0]), torch.rand(3))
 
 
+def test_rows_the_counts_do_not_add_up_to_fail_in_the_experts_own_forward_as_eagerly():
+    """A router of one's own sending fewer than top-k assignments: megatron-core permutes
+    tokens x top-k rows all the same, and its experts fail on the counts' sum; the graphed
+    experts hand such a call to the experts' own forward (the padded layout would index past
+    the last expert: on a GPU, a device-side assert) and serve the next call."""
+    eager, graphed = Layer(), Layer()
+    graphed.load_state_dict(eager.state_dict())
+    (installed,) = graph_dropless_experts(graphed, [8], probs_dtype=torch.float64, eager_replay=True)
+    hidden, probs = torch.randn(10, H, dtype=torch.float64), torch.rand(10, dtype=torch.float64)
+    counts = torch.tensor([3, 2, 2, 1])  # 8 of 10 rows
+    with pytest.raises(RuntimeError) as want:
+        eager.experts(hidden, counts, probs)
+    with pytest.raises(RuntimeError) as got:
+        graphed.experts(hidden, counts, probs)
+    assert str(got.value) == str(want.value) and "split_with_sizes" in str(got.value)
+    assert installed.eager_calls == 1 and installed.calls == {8: 0}
+    want = _call(eager.experts, [3, 2, 2, 3], 1)
+    got = _call(graphed.experts, [3, 2, 2, 3], 1)
+    for a, b in zip(want[:3], got[:3]):
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
+    assert installed.calls == {8: 1}
+
+
+def test_the_graphs_take_the_parameters_dtype_and_a_token_dtype_mismatch_is_named():
+    """megatron-core's Float16Module casts the parameters whatever config.params_dtype says:
+    the graphs take the tokens in the parameters' dtype; tokens in another dtype are refused
+    at the call, naming the tokens (not the probabilities)."""
+    layer = Layer()
+    layer.config.params_dtype = torch.float32  # stale: the parameters are float64
+    (installed,) = graph_dropless_experts(layer, [8], probs_dtype=torch.float64, eager_replay=True)
+    assert installed.dtypes == (torch.float64, torch.float64)
+    _call(layer.experts, [1, 2, 3, 4], 0)
+    assert installed.calls == {8: 1}
+    with pytest.raises(ValueError, match=re.escape(
+            "te_graph.graph_dropless_experts: the experts got tokens in torch.float32, but their graphs were "
+            "captured for torch.float64, their parameters' dtype at graphing: graph them after the model is cast "
+            "(megatron-core's Float16Module, .to(dtype)), then call them in that dtype.")):
+        layer.experts(torch.randn(3, H), torch.tensor([1, 1, 1, 0]), torch.rand(3, dtype=torch.float64))
+
+
 class Broken(Experts):
     def forward(self, hidden, tokens_per_expert, probs):
         raise RuntimeError("broken experts")

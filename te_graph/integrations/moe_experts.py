@@ -101,10 +101,13 @@ class DroplessExperts:
         counts = tokens_per_expert.tolist() if isinstance(tokens_per_expert, torch.Tensor) else list(tokens_per_expert)
         capacity = self._capacity(counts)
         # The experts' own forward: outside training, with keywords the graphs do not take,
-        # inside another capture (a graph cannot replay inside a capture), and above the
-        # largest capacity where overflow="eager".
+        # inside another capture (a graph cannot replay inside a capture), above the largest
+        # capacity where overflow="eager", and for rows the counts do not add up to (a router
+        # of one's own sending fewer than top-k assignments, where megatron-core 0.19 permutes
+        # tokens x top-k rows): the experts fail on those as they do eagerly, where the padded
+        # layout would index past the last expert (on a GPU, a device-side assert).
         if (kwargs or not self.experts.training or cuda_stream_capturing()
-                or (capacity is None and self.overflow_rows is None)):
+                or (capacity is None and self.overflow_rows is None) or sum(counts) != hidden.shape[0]):
             self.eager_calls += 1
             return type(self.experts).forward(self.experts, hidden, tokens_per_expert, probs, **kwargs)
         self._check_call(counts, hidden, probs)
@@ -124,7 +127,12 @@ class DroplessExperts:
                 f"te_graph.graph_dropless_experts: the experts got token counts for {len(counts)} experts, but "
                 f"they hold {self.num_experts} local experts (their graphs lay the tokens out that many blocks "
                 "of rows): pass one count per local expert, as megatron-core's dispatcher does.")
-        if (hidden.dtype, probs.dtype) != self.dtypes:
+        if hidden.dtype != self.dtypes[0]:
+            raise ValueError(
+                f"te_graph.graph_dropless_experts: the experts got tokens in {hidden.dtype}, but their graphs "
+                f"were captured for {self.dtypes[0]}, their parameters' dtype at graphing: graph them after the "
+                "model is cast (megatron-core's Float16Module, .to(dtype)), then call them in that dtype.")
+        if probs.dtype != self.dtypes[1]:
             raise ValueError(
                 f"te_graph.graph_dropless_experts: the experts got tokens in {hidden.dtype} and routing "
                 f"probabilities in {probs.dtype}, but their graphs were captured for {self.dtypes[0]} and "
@@ -303,7 +311,9 @@ def _install(layer: torch.nn.Module, span: str, largest_first: list[int], tokens
     num_experts = experts.num_local_experts
     hidden_size = layer.config.hidden_size
     params = list(experts.parameters())
-    device, dtype = params[0].device, layer.config.params_dtype
+    # The tokens come in the parameters' dtype (megatron-core's Float16Module casts the
+    # parameters, whatever config.params_dtype says).
+    device, dtype = params[0].device, params[0].dtype
     # The router computes in moe_router_dtype where set, else in the activations' dtype,
     # and dispatch permutes its probabilities as they are.
     probs = probs_dtype or _ROUTER_DTYPES.get(getattr(layer.config, "moe_router_dtype", None), dtype)
