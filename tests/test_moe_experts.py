@@ -196,7 +196,7 @@ def test_layers_it_cannot_serve_exactly_are_refused_before_any_is_graphed(setup,
     elif setup == "fp4":
         last.config.fp4, last.config.fp4_recipe = "e2m1", "nvfp4"
     elif setup == "drop-and-pad":
-        last.config.moe_expert_capacity_factor = 1.0
+        last.config.moe_expert_capacity_factor, last.config.moe_pad_expert_input_to_capacity = 1.0, True
     else:
         last.config.delay_wgrad_compute = True
     with pytest.raises(ValueError, match=re.escape(f"te_graph.graph_dropless_experts: {message}")):
@@ -248,6 +248,31 @@ def test_a_dispatch_span_the_layer_cannot_take_is_refused_by_name_and_auto_graph
     (installed,) = graph_dropless_experts(layer, capacities, tokens=tokens, probs_dtype=torch.float64,
                                           eager_replay=True)
     assert installed.span == "experts" and isinstance(layer.experts.__dict__["forward"].__self__, type(installed))
+
+
+def test_a_capacity_factor_without_padding_is_graphed_as_dropless_experts_and_its_dispatch_refused():
+    """Tokens beyond the capacity are dropped, but the experts' counts stay dynamic (at most
+    the capacity): the experts span serves them as dropless calls; the dispatch span, built
+    for tokens x top-k permuted rows, is refused by name."""
+    eager, graphed = Layer(), Layer()
+    graphed.load_state_dict(eager.state_dict())
+    for layer in (eager, graphed):
+        layer.config.moe_expert_capacity_factor = 1.0  # moe_pad_expert_input_to_capacity unset
+        layer.token_dispatcher = AlltoAllLike()
+        layer.config.moe_router_topk, layer.config.num_moe_experts = 2, E
+    with pytest.raises(ValueError, match=re.escape(
+            "te_graph.graph_dropless_experts: span='dispatch' cannot graph this layer's dispatch: it drops tokens "
+            "beyond a capacity (moe_expert_capacity_factor), so the permuted tokens are not tokens x top-k rows. "
+            "Use span='experts' (or 'auto').")):
+        graph_dropless_experts(graphed, [8], tokens=16, span="dispatch", probs_dtype=torch.float64,
+                               eager_replay=True)
+    (installed,) = graph_dropless_experts(graphed, [8], tokens=16, probs_dtype=torch.float64, eager_replay=True)
+    assert installed.span == "experts"
+    want = _call(eager.experts, [8, 3, 0, 8], 2)
+    got = _call(graphed.experts, [8, 3, 0, 8], 2)
+    for a, b in zip(want[:3] + tuple(want[3]), got[:3] + tuple(got[3])):
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
+    assert installed.calls == {8: 1} and installed.eager_calls == 0
 
 
 def test_bad_spans_and_token_counts_are_refused():

@@ -63,6 +63,9 @@ def dispatch_refusal(layer: torch.nn.Module) -> Optional[str]:
     scopes = [str(m).rsplit(".", 1)[-1] for m in (getattr(config, "cuda_graph_modules", None) or ())]
     reasons = [
         (getattr(dispatcher, "drop_and_pad", False), "it routes with drop-and-pad"),
+        (getattr(config, "moe_expert_capacity_factor", None) is not None,
+         "it drops tokens beyond a capacity (moe_expert_capacity_factor), so the permuted tokens are not "
+         "tokens x top-k rows"),
         (hasattr(layer, "_inference_token_dispatcher"),
          "it swaps in an inference dispatcher (transformer_impl='inference_optimized')"),
         (getattr(config, "cuda_graph_impl", None) == "local" and {"moe_router", "moe_preprocess"} & set(scopes),

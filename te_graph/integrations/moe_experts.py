@@ -391,7 +391,10 @@ def _check_layer(layer: torch.nn.Module) -> None:
          # FP4 needs a Blackwell GPU; its padding and recipe were never run here.
          f"the layers train in FP4 (fp4_recipe={getattr(config, 'fp4_recipe', None)!r}), which was never tried "
          "with capacity graphs. Leave the experts eager (the layers' graphs up to token dispatch support it)"),
-        (getattr(config, "moe_expert_capacity_factor", None) is not None,
+        # A capacity factor without padding drops tokens but leaves the counts dynamic (at
+        # most the capacity): the capacity graphs serve those calls as dropless ones.
+        (getattr(config, "moe_expert_capacity_factor", None) is not None
+         and getattr(config, "moe_pad_expert_input_to_capacity", False),
          "the layers route with a capacity factor (drop-and-pad), whose experts already get static shapes: "
          "graph the whole layer instead (an empty cuda_graph_modules)"),
         (getattr(config, "delay_wgrad_compute", False),
