@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from te_graph.integrations.moe_experts import capacities_for, graph_dropless_experts
+from te_graph.integrations.moe_experts import capacities_for, graph_dropless_experts, skips_weight_update
 
 H, E = 8, 4
 
@@ -50,6 +50,19 @@ def _call(experts, counts, seed):
     out, bias = experts(hidden, torch.tensor(counts), probs)
     (out * torch.linspace(-1, 1, out.numel(), dtype=torch.float64).view_as(out)).sum().backward()
     return out.detach(), hidden.grad, probs.grad, [p.grad.clone() for p in experts.parameters()]
+
+
+def test_replays_reuse_the_cached_fp8_weights_only_where_the_eager_wrappers_would():
+    """megatron-core's TE wrappers pass is_first_microbatch to TE (False: reuse the weights
+    quantized at the step's first microbatch), or None where they keep no weight cache
+    (disable_parameter_transpose_cache: quantize at every call)."""
+    def wrapper(first, cache_off=False):
+        return types.SimpleNamespace(is_first_microbatch=first, disable_parameter_transpose_cache=cache_off)
+
+    assert skips_weight_update([wrapper(False)]) is True
+    assert skips_weight_update([wrapper(True)]) is False
+    assert skips_weight_update([wrapper(False, cache_off=True)]) is False
+    assert skips_weight_update([]) is False
 
 
 def test_capacities_are_multiples_of_the_even_share_rounded_up_to_16_rows():

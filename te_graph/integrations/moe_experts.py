@@ -41,7 +41,7 @@ from checkpointing.recompute_state import cuda_stream_capturing
 
 from ..te_support import FP8_ARGUMENTS
 
-__all__ = ["DroplessExperts", "graph_dropless_experts", "capacities_for", "padded_layout"]
+__all__ = ["DroplessExperts", "graph_dropless_experts", "capacities_for", "padded_layout", "skips_weight_update"]
 
 _ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 _OVERFLOW_ROWS = {"padded": 128, "eager": None}  # rows per expert the overflow capacity rounds up to
@@ -155,11 +155,8 @@ class DroplessExperts:
         flags = self._first_microbatch_flags
         if self.fp8 and run is self.graphed:
             # The captured weight casts read TE's device flag "skip the weight update": set it
-            # as the eager wrappers' is_first_microbatch would decide (quantize the weights at
-            # a step's first microbatch, reuse them after), whoever else set it last (one
-            # fill kernel). No flag at all: TE quantizes at every call, as it does here.
-            first = flags[0].is_first_microbatch if flags else True
-            _fp8_state().set_skip_fp8_weight_update_tensor(first is False)
+            # as the eager wrappers would decide, whoever else set it last (one fill kernel).
+            _fp8_state().set_skip_fp8_weight_update_tensor(skips_weight_update(flags))
         output = run(*inputs)
         # A replay runs no Python: clear the flag as the eager forward does, so that a later
         # eager call of this step does not take itself for the step's first. Under FP8 that
@@ -175,6 +172,16 @@ class DroplessExperts:
 
         self.experts.__dict__.pop("forward", None)
         te_graph.reset(self.graphed)
+
+
+def skips_weight_update(wrappers: Sequence[Any]) -> bool:
+    """Whether a replay may reuse the FP8 weights cached at the step's first microbatch, as
+    megatron-core's TE wrappers decide from ``is_first_microbatch`` (False: reuse; True:
+    quantize again). They pass None, and TE quantizes at every call, where they keep no
+    weight cache (``disable_parameter_transpose_cache``) or there is no such wrapper."""
+    if not wrappers or getattr(wrappers[0], "disable_parameter_transpose_cache", False):
+        return False
+    return wrappers[0].is_first_microbatch is False
 
 
 def padded_layout(tokens: torch.Tensor, probs: torch.Tensor, counts: torch.Tensor, capacity: int) -> tuple:
