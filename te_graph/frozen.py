@@ -1,7 +1,8 @@
 """What a graph froze, checked at every call.
 
 A captured graph bakes in more than its input shapes: the addresses of the parameters it
-reads and which of them get a gradient, the submodules it ran and their training flags and
+reads (and of the ``main_grad`` buffers fused weight-gradient kernels write) and which of
+them get a gradient, the submodules it ran and their training flags and
 hyperparameters (a dropout's ``p``), that no hook ran inside it, the autocast state and the
 numerics settings its kernels were chosen under (TF32, deterministic algorithms). A model
 changed after graphing would replay the old program without a word, so each call first
@@ -113,6 +114,7 @@ class FrozenModule:
         hook_names: list[str] = []
         hook_kinds: list[str] = []
         params: list[tuple[str, torch.Tensor]] = []
+        main_grads: list[tuple[str, torch.Tensor]] = []
         seen: set[int] = set()
         for prefix, sub in module.named_modules():
             if id(sub) in seen:
@@ -142,9 +144,12 @@ class FrozenModule:
                 if p is not None:
                     params.append((_qualified(prefix, name), p))
                     if fused and isinstance(p.__dict__.get("main_grad"), torch.Tensor):
-                        # Transformer Engine's fused weight-gradient GEMM writes main_grad by address.
+                        # Transformer Engine's fused weight-gradient GEMM writes main_grad by
+                        # address: the same object (a slot) at the same address (megatron-core
+                        # DDP's offload and reload of its grad buffers keep the object).
                         slots.append(_Slot(p.__dict__, "main_grad", f"main_grad of parameter {_qualified(prefix, name)!r}"))
                         values.append(p.__dict__["main_grad"])
+                        main_grads.append((_qualified(prefix, name), p.__dict__["main_grad"]))
         for kind, table in compat.global_module_hook_dicts():
             hook_tables.append(table)
             hook_names.append(f"global module {kind} (torch.nn.modules.module.register_module_{kind[:-1]})")
@@ -170,6 +175,9 @@ class FrozenModule:
         self._addressed = tuple(p for _, p in addressed)
         self._addressed_names = tuple(n for n, _ in addressed)
         self._pointers = tuple(map(_data_ptr, self._addressed))
+        self._main_grads = tuple(g for _, g in main_grads)
+        self._main_grad_names = tuple(n for n, _ in main_grads)
+        self._main_grad_pointers = tuple(map(_data_ptr, self._main_grads))
 
     def matches(self) -> bool:
         """The hot path: True when nothing the graphs read of the module changed."""
@@ -179,6 +187,7 @@ class FrozenModule:
             return (
                 tuple(map(_getitem, self._tables, self._keys)) == self._values
                 and tuple(map(_data_ptr, self._addressed)) == self._pointers
+                and tuple(map(_data_ptr, self._main_grads)) == self._main_grad_pointers
                 and tuple(map(_requires_grad, self._params)) == self._grads
                 and (not any(self._hook_tables) if self._no_hooks else self._same_hooks())
             )
@@ -224,6 +233,11 @@ class FrozenModule:
             if p.data_ptr() != then:
                 found.append(f"parameter {name!r} now lies at another address (p.data = ..., or the module was "
                              "moved or cast)")
+        for name, g, then in zip(self._main_grad_names, self._main_grads, self._main_grad_pointers):
+            if g.data_ptr() != then:
+                found.append(f"main_grad of parameter {name!r} now lies at another address (megatron-core DDP's "
+                             "offload and reload of its grad buffers, or a reallocation), which the fused weight-"
+                             "gradient kernels write by address")
         for name, p, then in zip(self._param_names, self._params, self._grads):
             if p.requires_grad != then:
                 found.append(f"parameter {name!r} {'now requires' if p.requires_grad else 'no longer requires'} grad")

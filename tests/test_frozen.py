@@ -71,6 +71,21 @@ def test_a_parameter_in_other_memory_is_refused():
                 "(p.data = ..., or the module was moved or cast). " + _REGRAPH)
 
 
+def test_a_fused_main_grad_in_other_memory_is_refused():
+    """Transformer Engine's fused weight-gradient kernels (``fuse_wgrad_accumulation``) write
+    ``main_grad`` by address; megatron-core DDP's offload and reload of its grad buffers keep
+    the tensor object and move its memory."""
+    net = Net()
+    net.lin1.fuse_wgrad_accumulation = True
+    net.lin1.weight.main_grad = torch.zeros(H, H, dtype=torch.float32)
+    m = _graphed(net)
+    m(_x())  # served while main_grad stays
+    m.lin1.weight.main_grad.set_(torch.zeros(H, H, dtype=torch.float32))  # the same object, new memory
+    _refused(m, "callable 0 (Net): since graphing, main_grad of parameter 'lin1.weight' now lies at another "
+                "address (megatron-core DDP's offload and reload of its grad buffers, or a reallocation), which "
+                "the fused weight-gradient kernels write by address. " + _REGRAPH)
+
+
 def test_a_replaced_parameter_or_submodule_is_refused():
     m = _graphed()
     m.lin1.weight = nn.Parameter(torch.randn(H, H))
