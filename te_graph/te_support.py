@@ -41,6 +41,7 @@ from .resources import RESOURCES
 __all__ = [
     "FP8_ARGUMENTS", "FP8Options", "fp8_options", "te_modules_in", "FP8Capture", "fp8_replay",
     "NO_FP8", "accepts_is_first_microbatch", "is_te_module", "is_quantized_tensor", "forget_stand_in_caches", "visited_te_modules", "FP8Checks", "FP8Replay",
+    "keeps_weight_cache",
 ]
 
 _DEPRECATED = {
@@ -362,11 +363,23 @@ class FP8Checks:
         pass
 
 
+def keeps_weight_cache(modules: Sequence[Any]) -> bool:
+    """Whether TE may reuse these modules' FP8 weights after a step's first microbatch: not
+    where one is megatron-core's TE wrapper built with ``disable_parameter_transpose_cache``,
+    which passes ``is_first_microbatch=None`` to TE, so that TE quantizes at every call."""
+    return not any(getattr(m, "disable_parameter_transpose_cache", False) for m in modules)
+
+
 class FP8Replay(FP8Checks):
     """Around each replay of an FP8 graph: TE's bookkeeping outside the graphs."""
 
     def __init__(self, modules: Sequence[Any], options: FP8Options):
         super().__init__(options)
+        # With weight caching the captured casts read TE's "skip the weight update" flag,
+        # which the first call of each autocast sets from is_first_microbatch, as eager TE
+        # does; where the modules keep no cache, eager TE quantizes at every call, and so
+        # do the replays (the flag set False), whatever the keyword says.
+        self.reuses_weights = keeps_weight_cache(modules)
         from transformer_engine.pytorch.attention.dot_product_attention import DotProductAttention  # noqa: PLC0415
         from transformer_engine.pytorch.ops.op import BasicOperation  # noqa: PLC0415
 
@@ -400,7 +413,7 @@ class FP8Replay(FP8Checks):
                 state.add_fp8_tensors_to_global_buffer(meta)
         first = state.is_first_fp8_module()
         if first and self.caching:
-            state.set_skip_fp8_weight_update_tensor(not is_first_microbatch)
+            state.set_skip_fp8_weight_update_tensor(self.reuses_weights and not is_first_microbatch)
         return first
 
     def after_backward(self, first: bool) -> None:

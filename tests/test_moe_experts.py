@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from te_graph.integrations.moe_experts import capacities_for, graph_dropless_experts, skips_weight_update
+from te_graph.te_support import keeps_weight_cache
 
 H, E = 8, 4
 
@@ -63,6 +64,9 @@ def test_replays_reuse_the_cached_fp8_weights_only_where_the_eager_wrappers_woul
     assert skips_weight_update([wrapper(True)]) is False
     assert skips_weight_update([wrapper(False, cache_off=True)]) is False
     assert skips_weight_update([]) is False
+    # The same decision for te_graph's FP8 graphs of whole layers (te_support.FP8Replay).
+    assert keeps_weight_cache([object(), wrapper(False)]) is True
+    assert keeps_weight_cache([object(), wrapper(False, cache_off=True)]) is False
 
 
 def test_capacities_are_multiples_of_the_even_share_rounded_up_to_16_rows():

@@ -39,7 +39,7 @@ import torch
 
 from checkpointing.recompute_state import cuda_stream_capturing
 
-from ..te_support import FP8_ARGUMENTS
+from ..te_support import FP8_ARGUMENTS, keeps_weight_cache
 
 __all__ = ["DroplessExperts", "graph_dropless_experts", "capacities_for", "padded_layout", "skips_weight_update"]
 
@@ -179,9 +179,7 @@ def skips_weight_update(wrappers: Sequence[Any]) -> bool:
     megatron-core's TE wrappers decide from ``is_first_microbatch`` (False: reuse; True:
     quantize again). They pass None, and TE quantizes at every call, where they keep no
     weight cache (``disable_parameter_transpose_cache``) or there is no such wrapper."""
-    if not wrappers or getattr(wrappers[0], "disable_parameter_transpose_cache", False):
-        return False
-    return wrappers[0].is_first_microbatch is False
+    return bool(wrappers) and keeps_weight_cache(wrappers) and wrappers[0].is_first_microbatch is False
 
 
 def padded_layout(tokens: torch.Tensor, probs: torch.Tensor, counts: torch.Tensor, capacity: int) -> tuple:
