@@ -309,6 +309,7 @@ class GraphRunner(Runner):
         tick = self.clock.forward(self.variant, self.shape)
         self.handout.before_replay()
         graph.fwd_graph.replay()
+        graph.fp8.after_forward()
         if moved:
             graph.sync_forward.after_replay(moved)
         if self.updated:

@@ -15,7 +15,10 @@
   the weight-cache flag from ``is_first_microbatch`` (a device flag the captured weight
   casts read), its backward runs the backward amax reduction after its replay (one graph
   per device, ``fp8_reduction``, where it can be captured), and the
-  forward reduction runs at the user's autocast exit, as in eager TE.
+  forward reduction runs at the user's autocast exit, as in eager TE. A call inside an
+  activation checkpoint (Megatron's full recompute around the layer graphs) keeps, under
+  delayed scaling, TE's copy of the forward's scales, and its recompute replays with them
+  in place, as TE's modules do eagerly.
 
 Besides FP8: the TE modules a forward runs are found in the first warmup pass, and the
 operation fusers of ``te.ops.Sequential`` built during warmup (which keep the parameters
@@ -231,6 +234,50 @@ class FP8Capture:
             te_graph.set_capture_end()
 
     @contextlib.contextmanager
+    def checkpoint_guard(self, name: str) -> Iterator[None]:
+        """Around a callable's first warmup forward: with weight caching, refuse a forward
+        that runs a TE module with weights inside an activation checkpoint (TE's recompute
+        region: ``te.distributed.checkpoint``, te_graph's checkpoint).
+
+        Measured on an H100 (TE 2.20, te.TransformerLayer and te.LayerNormMLP, delayed and
+        current scaling): from the second microbatch on such graphs part from eager TE. The
+        checkpointed forward runs without grad and caches a rowwise-only FP8 weight; its
+        recompute caches another with the columnwise copy, and the graphs do not replay that
+        exchange as eager TE's Python runs it. A checkpoint around the graphed call
+        (Megatron's full recompute) is exact, and so is one inside without weight caching."""
+        if not self.options.cache_quantized_params:
+            yield
+            return
+        from transformer_engine.pytorch import distributed  # noqa: PLC0415
+
+        seen: list = []
+        # TE's Linear (and megatron-core's wrappers of it) caches the columnwise copy in a
+        # checkpointed forward too (TE 2.20 linear.py, inside the recompute region): nothing
+        # to exchange, and graphed exactly (measured, delayed scaling, 2 microbatches x 2 steps).
+        exact = _te().Linear
+
+        def record(module: torch.nn.Module, *_: Any) -> None:
+            if (is_te_module(module) and not isinstance(module, exact)
+                    and next(module.parameters(recurse=False), None) is not None
+                    and distributed.is_fp8_activation_recompute_enabled()
+                    and not distributed.in_fp8_activation_recompute_phase()):
+                seen.append(module)
+
+        handle = torch.nn.modules.module.register_module_forward_hook(record)
+        try:
+            yield
+        finally:
+            handle.remove()
+        if seen:
+            raise ValueError(
+                f"make_graphed_callables: {name} runs Transformer Engine's {type(seen[0]).__name__} inside an "
+                "activation checkpoint (te.distributed.checkpoint or checkpointing.checkpoint) with "
+                "cache_quantized_params=True: its recompute caches other FP8 weights than its forward, which "
+                "these graphs do not replay as eager TE does. Put the checkpoint around the graphed callable "
+                "(as Megatron's full recompute does), or graph it with cache_quantized_params=False."
+            )
+
+    @contextlib.contextmanager
     def autocast(self, enabled: bool) -> Iterator[None]:
         """The context one callable's forward runs in while graphs are made."""
         te = _te()
@@ -289,6 +336,10 @@ class _NoFP8:
         return False
 
     @staticmethod
+    def after_forward() -> None:
+        pass
+
+    @staticmethod
     def after_backward(first: bool) -> None:
         pass
 
@@ -296,7 +347,7 @@ class _NoFP8:
 NO_FP8 = _NoFP8()
 
 
-class _NotFP8:
+class _NotFP8(_NoFP8):
     """A graph of TE modules captured without FP8: refuses a call inside an FP8 autocast,
     where eager TE would run FP8 kernels and the graph would not."""
 
@@ -314,12 +365,8 @@ class _NotFP8:
             )
         return False
 
-    @staticmethod
-    def after_backward(first: bool) -> None:
-        pass
 
-
-class FP8Checks:
+class FP8Checks(_NoFP8):
     """A call of an FP8 graph (or of its eager-replay mirror) is refused where eager TE and
     the graph would part: outside ``te.autocast``, under another recipe, or without
     ``is_first_microbatch`` when the weight cache is on."""
@@ -358,10 +405,6 @@ class FP8Checks:
             )
         return recipe
 
-    @staticmethod
-    def after_backward(first: bool) -> None:
-        pass
-
 
 def keeps_weight_cache(modules: Sequence[Any]) -> bool:
     """Whether TE may reuse these modules' FP8 weights after a step's first microbatch: not
@@ -392,11 +435,24 @@ class FP8Replay(FP8Checks):
                 self.attention_metas.append(m.fp8_meta)
             else:
                 self.metas.append(m.fp8_meta)
+        # Under an activation recompute, TE's modules (not its fusible operations) keep a copy
+        # of their forward scales and amax history when the checkpointed forward runs, put it
+        # in place for the recompute and the live one back after (TE 2.20 base.py,
+        # prepare_forward and end_forward): the recompute quantizes as the forward did and
+        # leaves the history alone. That is Python a replay does not run; recompute_scales
+        # does it around the replay (for a checkpoint around the graphed call, Megatron's
+        # full recompute: a checkpoint inside the graphed module was captured with it).
+        self.recompute_metas = [m.fp8_meta for m in modules if not isinstance(m, BasicOperation)
+                                and "scaling_fwd" in getattr(m, "fp8_meta", {})]
         # Only delayed scaling (built in, or asked for by a custom recipe) keeps amaxes in TE's
         # global buffers; under another recipe TE's registration returns at once, each call.
         recipe = options.recipe
         if not (getattr(recipe, "delayed", lambda: True)() or getattr(recipe, "custom", lambda: False)()):
-            self.metas, self.attention_metas = [], []
+            self.metas, self.attention_metas, self.recompute_metas = [], [], []
+        from transformer_engine.pytorch import distributed  # noqa: PLC0415
+
+        self.recompute_region = distributed.is_fp8_activation_recompute_enabled  # read at every call
+        self.recompute_phase = distributed.in_fp8_activation_recompute_phase
 
     def before_forward(self, name: str, is_first_microbatch: Any) -> bool:
         """Checks and registration before a forward replay; whether this call is the first
@@ -411,10 +467,23 @@ class FP8Replay(FP8Checks):
             meta["recipe"] = recipe
             if registered not in meta:  # TE's own test, without its call: once per module
                 state.add_fp8_tensors_to_global_buffer(meta)
+        if self.recompute_metas and self.recompute_phase():
+            for meta in self.recompute_metas:  # the forward's scales in place (after_forward undoes it)
+                state.get_old_fp8_meta_tensors_for_recompute(meta)
+        elif self.recompute_metas and self.recompute_region():
+            for meta in self.recompute_metas:  # a copy of the scales for the recompute (two copy kernels each)
+                state.copy_forward_fp8_meta_tensors_for_recompute(meta)
         first = state.is_first_fp8_module()
         if first and self.caching:
             state.set_skip_fp8_weight_update_tensor(self.reuses_weights and not is_first_microbatch)
         return first
+
+    def after_forward(self) -> None:
+        """After a forward replay in TE's recompute phase: the live scales and amax history
+        back in place (the replay's amaxes went to the forward's copy, as in eager TE)."""
+        if self.recompute_metas and self.recompute_phase():
+            for meta in self.recompute_metas:
+                self.state.restore_fp8_meta_tensors(meta)
 
     def after_backward(self, first: bool) -> None:
         """After the backward replay of an autocast's first FP8 call: the backward amax

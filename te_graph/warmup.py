@@ -71,8 +71,9 @@ def warm_up(
             # The first pass checks what the backward would accumulate into, before it does.
             leaves = ForeignLeaves(spec.name, spec.static_inputs + stand_ins(spec.params)) if first and spec.needs_backward else None
             visiting = visited_te_modules(spec.func) if first and spec.has_te else contextlib.nullcontext(None)
+            guard = fp8.checkpoint_guard(spec.name) if first and fp8 is not None and spec.fp8 else contextlib.nullcontext()
             with leaves if leaves is not None else contextlib.nullcontext():
-                with visiting as te_modules:
+                with visiting as te_modules, guard:
                     outputs, forward_use = _forward(spec, watch, tracker, leaves, fp8)
                 if te_modules is not None:
                     te_seen[index] = tuple(te_modules)

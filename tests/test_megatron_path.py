@@ -7,7 +7,7 @@ with ``te_graph.integrations.megatron.enable()`` (examples/megatron_gpt.py). Eac
 eagerly, with te_graph's graphs and with te_graph's eager replay, in one fresh process, and
 every step's losses, ``main_grad`` buffers and weights after the optimizer step are compared
 bitwise. The setups: dropout, gradient-accumulation fusion, FP8, full and selective recompute
-(both refused by Megatron with per-layer graphs), DDP's overlapped gradient reduction with
+(both refused by Megatron with per-layer graphs; full recompute in bf16 and FP8), DDP's overlapped gradient reduction with
 Megatron's optimizer, the distributed optimizer with overlapped parameter gathers (DDP's
 forward pre-hooks run by the helper before each replay), and megatron-core's MoE layers:
 drop-and-pad graphed whole, dropless graphed up to token dispatch (bf16, FP8, full recompute),
@@ -44,6 +44,16 @@ SETUPS = {
     "fp8-delayed-fusion": ["--dropout", "0.1", "--fusion", "1", "--fp8", "delayed"],
     "full-recompute-dropout": ["--dropout", "0.1", "--fusion", "1", "--recompute", "full"],
     "selective-recompute-dropout": ["--dropout", "0.1", "--fusion", "1", "--recompute", "selective"],
+    # Full recompute replays each layer's forward graph in the backward: under delayed
+    # scaling it must quantize with the scales of the forward it recomputes, and leave the
+    # amax history as it found it, as TE's recompute does (te_support.FP8Replay).
+    "fp8-delayed-full-recompute-dropout": ["--dropout", "0.1", "--fusion", "1", "--fp8", "delayed",
+                                           "--recompute", "full"],
+    "fp8-delayed-history-16-max-full-recompute": ["--dropout", "0.1", "--fusion", "1", "--fp8", "delayed",
+                                                  "--fp8-amax-history", "16", "--fp8-amax-algo", "max",
+                                                  "--recompute", "full"],
+    "fp8-tensorwise-full-recompute-dropout": ["--dropout", "0.1", "--fusion", "1", "--fp8", "tensorwise",
+                                              "--recompute", "full"],
     "overlap-grad-reduce-megatron-optimizer": ["--dropout", "0.1", "--fusion", "1", "--overlap-grad-reduce", "1",
                                                "--optimizer", "megatron"],
     "distributed-optimizer-overlap-param-gather": ["--dropout", "0.1", "--fusion", "1", "--dist-opt", "1",
@@ -61,6 +71,7 @@ SETUPS.update({
     "moe-dropless-attn-router": MOE + ["--graph-modules", "attn,moe_router"],
     "moe-dropless-fp8-delayed": MOE + PARTIAL + ["--fp8", "delayed"],
     "moe-dropless-full-recompute": MOE + PARTIAL + ["--recompute", "full"],
+    "moe-dropless-fp8-delayed-full-recompute": MOE + PARTIAL + ["--fp8", "delayed", "--recompute", "full"],
     # TE's fused permutation: the graphs return the router's probabilities beside the permuted
     # ones, whose gradient reaches them through TE's custom permute op (warmup.outputs_fed).
     "moe-dropless-permute-fusion": MOE + PARTIAL + ["--permute-fusion", "1"],
@@ -144,6 +155,9 @@ CAPACITY_SETUPS = {
     "bf16-experts-span": ["--buckets", "1.0,1.25", "--moe-span", "experts"],
     "bf16-permute-fusion": ["--buckets", "1.0,1.25", "--permute-fusion", "1"],
     "bf16-full-recompute": ["--buckets", "1.0,1.25", "--recompute", "full"],
+    # Delayed scaling, recomputed: the replays swap in the scales of the forward they
+    # recompute, as TE's eager modules do (te_support.FP8Replay).
+    "fp8-delayed-full-recompute": ["--buckets", "1.0,1.25", "--fp8", "delayed", "--recompute", "full"],
     "bf16-overflow-eager": ["--buckets", "1.0,1.25", "--overflow", "eager"],
     "fp8-delayed": ["--buckets", "1.0,1.25", "--fp8", "delayed"],
     "fp8-tensorwise": ["--buckets", "1.0,1.25", "--fp8", "tensorwise"],

@@ -221,27 +221,6 @@ def test_layers_it_cannot_serve_exactly_are_refused_before_any_is_graphed(setup,
     assert "forward" not in model[0].experts.__dict__
 
 
-@pytest.mark.parametrize("recompute", [{"recompute_granularity": "full"},
-                                       {"recompute_granularity": "selective", "recompute_modules": ["moe"]}],
-                         ids=["full", "selective-moe"])
-def test_fp8_delayed_scaling_with_the_moe_part_recomputed_is_refused_and_bf16_is_not(recompute):
-    """TE's recompute swaps in the scales its forward saved (Python around each eager call);
-    a capacity graph's replay runs none of it, so under delayed scaling its recompute would
-    quantize with the scales updated since. Refused by name; bf16 with the same recompute is
-    graphed."""
-    layer = Layer()
-    vars(layer.config).update(recompute, fp8="hybrid", fp8_recipe="delayed")
-    with pytest.raises(ValueError, match=re.escape(
-            "te_graph.graph_dropless_experts: the layers train in FP8 with delayed scaling and recompute their "
-            "MoE part (recompute_granularity='full', or 'moe' in recompute_modules): Transformer Engine's "
-            "recompute quantizes with the scales its forward saved")):
-        graph_dropless_experts(layer, [8], probs_dtype=torch.float64, eager_replay=True)
-    assert "forward" not in layer.experts.__dict__
-    layer.config.fp8 = None
-    (installed,) = graph_dropless_experts(layer, [8], probs_dtype=torch.float64, eager_replay=True)
-    assert installed.span == "experts"
-
-
 class AlltoAllLike:
     """The attributes by which a dispatcher is taken for megatron-core's alltoall dispatcher
     (duck-typed, as for a fork of it): what the dispatch span's refusals read."""

@@ -53,6 +53,9 @@ def recipes() -> dict:
 
     return {
         "delayed": lambda: recipe.DelayedScaling(),
+        # megatron-core's defaults (fp8_amax_history_len=1, "most_recent"): every amax a
+        # recompute leaves in the history shows in the next scale.
+        "delayed-recent": lambda: recipe.DelayedScaling(amax_history_len=1, amax_compute_algo="most_recent"),
         "current": lambda: recipe.Float8CurrentScaling(),
         "block": lambda: recipe.Float8BlockScaling(),
     }
@@ -111,12 +114,13 @@ class Recomputed(nn.Module):
         self.layer = layer
         self.kind = kind
 
-    def forward(self, x):
+    def forward(self, x, is_first_microbatch=None):
+        cache = {} if is_first_microbatch is None else {"is_first_microbatch": is_first_microbatch}
         if self.kind == "ours":
-            return checkpointing.checkpoint(self.layer, x, get_rng_state_tracker=tracker)
+            return checkpointing.checkpoint(self.layer, x, get_rng_state_tracker=tracker, **cache)
         if self.kind == "core-attention":  # TE recomputes the attention core itself
-            return self.layer(x, checkpoint_core_attention=True)
-        return te().distributed.checkpoint(self.layer, x, get_rng_state_tracker=tracker)
+            return self.layer(x, checkpoint_core_attention=True, **cache)
+        return te().distributed.checkpoint(self.layer, x, get_rng_state_tracker=tracker, **cache)
 
 
 def build(kind: str, dtype: torch.dtype, dropout: float) -> nn.Module:
@@ -149,7 +153,9 @@ class TESetup:
     module: str = "transformer"
     recipe: Optional[str] = None  # None: bf16; "delayed", "current", "block"
     dropout: float = 0.0
-    recompute: str = "none"  # "none", "ours", "te", "core-attention"
+    recompute: str = "none"  # "none", "ours", "te", "core-attention" (inside the graphed layers), or
+    # "around" (checkpointing.checkpoint around each graphed layer's call, as Megatron's full
+    # recompute runs its per-layer graphs: the recompute replays the forward graph)
     caching: bool = False  # cache_quantized_params, is_first_microbatch at each call
     eval: bool = False  # forward-only graphs under no_grad (eval mode)
     fp8_params: bool = False  # FP8 primary weights: built inside te.quantized_model_init
@@ -180,6 +186,34 @@ SETUPS = [
     TESetup("transformer-bf16-dropout-recompute-te", dropout=0.1, recompute="te"),
     TESetup("transformer-bf16-dropout-core-attention-checkpoint", dropout=0.1, recompute="core-attention"),
     TESetup("transformer-fp8-delayed-dropout-recompute-ours", recipe="delayed", dropout=0.1, recompute="ours"),
+    TESetup("transformer-fp8-delayed-recent-dropout-recompute-ours", recipe="delayed-recent", dropout=0.1,
+            recompute="ours"),
+    TESetup("transformer-fp8-delayed-recent-dropout-recompute-ours-after-an-eager-step", recipe="delayed-recent",
+            dropout=0.1, recompute="ours", eager_steps_first=1),
+    TESetup("transformer-fp8-delayed-recent-dropout-recompute-ours-new-recipe-per-autocast", recipe="delayed-recent",
+            dropout=0.1, recompute="ours", recipe_per_autocast=True),
+    TESetup("transformer-fp8-delayed-recent-dropout-recompute-te", recipe="delayed-recent", dropout=0.1,
+            recompute="te"),
+    # Checkpointed inside the graphed callable with weight caching: te.Linear is graphed
+    # exactly (its checkpointed forward caches the columnwise copy too); layers whose forward
+    # caches a rowwise-only weight are refused (test_a_checkpoint_inside_..._is_refused).
+    TESetup("linear-fp8-delayed-recent-recompute-ours-weight-caching", module="linear", recipe="delayed-recent",
+            recompute="ours", caching=True),
+    # The checkpoint around the graphed call: the recompute replays the forward graph, whose
+    # quantization must use the scales of the forward it recomputes (TE's recompute stash).
+    TESetup("transformer-bf16-dropout-recompute-around", dropout=0.1, recompute="around"),
+    TESetup("transformer-fp8-delayed-recent-dropout-recompute-around", recipe="delayed-recent", dropout=0.1,
+            recompute="around"),
+    TESetup("transformer-fp8-delayed-dropout-recompute-around", recipe="delayed", dropout=0.1, recompute="around"),
+    TESetup("transformer-fp8-delayed-recent-dropout-recompute-around-weight-caching", recipe="delayed-recent",
+            dropout=0.1, recompute="around", caching=True),
+    TESetup("transformer-fp8-delayed-recent-recompute-around-after-an-eager-step", recipe="delayed-recent",
+            recompute="around", eager_steps_first=1),
+    TESetup("transformer-fp8-current-dropout-recompute-around", recipe="current", dropout=0.1, recompute="around"),
+    TESetup("grouped-linear-fp8-delayed-recent-recompute-around", module="grouped_linear", recipe="delayed-recent",
+            recompute="around"),
+    TESetup("ops-sequential-fp8-delayed-recent-recompute-around", module="ops", recipe="delayed-recent",
+            recompute="around"),
     TESetup("transformer-bf16-eval", eval=True),
     TESetup("linear-fp8-delayed", module="linear", recipe="delayed"),
     TESetup("linear-fp8-current", module="linear", recipe="current"),
@@ -249,7 +283,7 @@ def train(setup: TESetup, mode: str, steps: int = 3, micro: int = 2) -> Trace:
     recipe = recipes()[setup.recipe]() if setup.recipe else None
     with te().quantized_model_init(enabled=setup.fp8_params, recipe=recipe):
         modules = [build(setup.module, dtype, setup.dropout).cuda() for _ in range(setup.layers)]
-    if setup.recompute != "none":
+    if setup.recompute not in ("none", "around"):
         modules = [Recomputed(m, setup.recompute) for m in modules]
     late = [te().Linear(H, H, params_dtype=dtype).cuda()] if setup.late_eager_layer else []
     for m in modules:
@@ -273,8 +307,12 @@ def train(setup: TESetup, mode: str, steps: int = 3, micro: int = 2) -> Trace:
                 autocast_recipe = recipes()[setup.recipe]() if setup.recipe_per_autocast else recipe
                 with te().autocast(enabled=recipe is not None, recipe=autocast_recipe):
                     h = x
+                    cache = {"is_first_microbatch": micro_step == 0} if setup.caching else {}
                     for layer in layers:
-                        h = layer(h, is_first_microbatch=micro_step == 0) if setup.caching else layer(h)
+                        if setup.recompute == "around":
+                            h = checkpointing.checkpoint(layer, h, get_rng_state_tracker=tracker, **cache)
+                        else:
+                            h = layer(h, **cache)
                     for layer in joined:
                         h = layer(h)
             trace.outputs.append(h.detach().clone())
@@ -425,6 +463,36 @@ def test_capture_time_hooks_are_called_with_the_module_alone():
     make_graphed_callables(tuple(layers), samples, num_warmup_iters=1, capture_time_hooks=hooks)
     assert calls[:4] == [("forward_pre_hooks", 0), ("forward_hooks", 0), ("backward_pre_hooks", 0), ("backward_hooks", 0)]
     assert len(calls) == 16  # one warmup pass and the capture, 4 hooks x 2 layers each
+
+
+@pytest.mark.parametrize("kind", ["ours", "te"])
+@pytest.mark.parametrize("eager_replay", [False, True], ids=["graphs", "eager-replay"])
+def test_a_checkpoint_inside_a_graphed_layer_with_fp8_weight_caching_is_refused(kind, eager_replay):
+    """TE layers with weights, checkpointed inside the graphed callable, with weight caching:
+    measured to part from eager TE after the first microbatch (te.TransformerLayer and
+    te.LayerNormMLP, delayed and current scaling), so refused by name at warmup, also by the
+    eager replay; the layer then trains eagerly. A te.Linear so checkpointed, the checkpoint
+    around the graphed call and caching off are graphed exactly (rows of SETUPS)."""
+    setup = TESetup("refused", recipe="delayed-recent", recompute=kind, caching=True)
+    _skip_unsupported(setup)
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+
+    FP8GlobalStateManager.reset()
+    reseed(1234)
+    recipe = recipes()[setup.recipe]()
+    layer = Recomputed(build("transformer", torch.bfloat16, 0.0).cuda(), kind)
+    sample = (torch.randn(S, B, H, device="cuda", dtype=torch.bfloat16, requires_grad=True),)
+    with pytest.raises(ValueError, match=re.escape("make_graphed_callables: callable 0 (Recomputed) runs Transformer "
+                                                   "Engine's ") + r"\w+" + re.escape(
+            " inside an activation checkpoint (te.distributed.checkpoint or checkpointing.checkpoint) with "
+            "cache_quantized_params=True: its recompute caches other FP8 weights than its forward")):
+        make_graphed_callables(layer, sample, enabled=True, recipe=recipe, cache_quantized_params=True,
+                               get_rng_state_tracker=tracker, eager_replay=eager_replay)
+    x = sample[0].detach().clone().requires_grad_()
+    with te().autocast(enabled=True, recipe=recipe):
+        y = layer(x, is_first_microbatch=True)
+    y.float().sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
 
 
 @pytest.mark.parametrize("recipe_name", ["delayed", "current"])

@@ -376,19 +376,6 @@ def _fp8_arguments(layer: torch.nn.Module) -> dict:
     return {"enabled": True, "recipe": get_fp8_recipe(config), "amax_reduction_group": group}
 
 
-def _fp8_delayed(config: Any) -> bool:
-    """megatron-core's FP8 with delayed scaling (its default recipe)."""
-    return bool(getattr(config, "fp8", None)) and getattr(config, "fp8_recipe", "delayed") == "delayed"
-
-
-def _moe_recomputed(layer: torch.nn.Module, config: Any) -> bool:
-    """Whether megatron-core recomputes the MoE layer's forward in the backward: the whole
-    transformer layer (full granularity), or the MoE part (selective, "moe")."""
-    return (getattr(config, "recompute_granularity", None) == "full" or bool(getattr(layer, "moe_layer_recompute", False))
-            or (getattr(config, "recompute_granularity", None) == "selective"
-                and "moe" in (getattr(config, "recompute_modules", None) or ())))
-
-
 def _check_layer(layer: torch.nn.Module) -> None:
     """What graph_dropless_experts refuses, with the reason (before anything changes)."""
     experts, config = layer.experts, layer.config
@@ -415,12 +402,6 @@ def _check_layer(layer: torch.nn.Module) -> None:
          and getattr(config, "moe_pad_expert_input_to_capacity", False),
          "the layers route with a capacity factor (drop-and-pad), whose experts already get static shapes: "
          "graph the whole layer instead (an empty cuda_graph_modules)"),
-        (_fp8_delayed(config) and _moe_recomputed(layer, config),
-         "the layers train in FP8 with delayed scaling and recompute their MoE part (recompute_granularity="
-         "'full', or 'moe' in recompute_modules): Transformer Engine's recompute quantizes with the scales its "
-         "forward saved, which a capacity graph's replay does not swap in, so the gradients would drift from "
-         "eager. Use current scaling (fp8_recipe='tensorwise'), leave the MoE layers out of recompute, or "
-         "leave the experts eager"),
         (getattr(config, "delay_wgrad_compute", False),
          "the experts delay their weight gradients (delay_wgrad_compute): Megatron's experts.backward_dw() "
          "would find no queued work after a replay"),
