@@ -21,7 +21,7 @@ from .te_support import FP8Options, fp8_options, fp8_replay, is_te_module
 from .graphed import GraphedCallable, graphed_callable_of, install_on_module
 from .options import GraphOptions, eager_replay_default, graph_options
 from .records import GraphSpec
-from .replay import NO_CLOCK, Clock, EagerRunner, GraphRunner, ReplayOptions
+from .replay import NO_CLOCK, Clock, EagerRunner, GraphRunner, ReplayOptions, ReplayOrder
 from .resources import RESOURCES
 from .schedule import plan_schedule
 from .wgrad import WgradBook
@@ -255,13 +255,17 @@ def _wrap(spec_sets: list[list[GraphSpec]], prepared: Prepared, options: GraphOp
     has_wgrad = any(w.wgrad is not None for warmups in prepared.warmups for w in warmups)
     book = WgradBook(ordered=options.order is not None) if has_wgrad else None
 
+    # The graphs of each sample set waiting for their backward (``ReplayOrder``).
+    orders = [ReplayOrder() for _ in spec_sets]
+
     def runner(variant: int, index: int):
-        spec = spec_sets[variant][index]
+        spec, plan = spec_sets[variant][index], prepared.plans[variant][index]
         if prepared.captured is None:
             warmup = prepared.warmups[variant][index]
             checks_ = fp8_replay(spec.fp8, fp8, warmup.te_modules, spec.has_te, graphs=False)
-            return EagerRunner(spec, warmup, checks_, clock, variant, book, replay)
-        return GraphRunner(spec, prepared.captured[variant][index], replay, clock, variant, book)
+            return EagerRunner(spec, warmup, checks_, clock, variant, book, replay, orders[variant], index, plan)
+        return GraphRunner(spec, prepared.captured[variant][index], replay, clock, variant, book, orders[variant], index,
+                           plan)
 
     return [
         GraphedCallable([runner(v, i) for v in range(len(spec_sets))], spec_sets[0][i], pool, frozen[i],

@@ -12,13 +12,20 @@ every decision. Two kinds of sharing:
   just wrote. Layer i's backward graph reads it where it lies (layer i+1's input-grad
   buffer), which saves a copy and a buffer per layer. Replay keeps this exact: the buffer is
   handed on uncopied only to the graph it is lent to (``replay.GraphRunner``).
+
+And the memory the graphs share through their one pool: a forward or backward captured
+while another graph's backward had already run, or its forward not yet, may have been given
+that graph's activation memory. Each plan names the graphs whose backward may still be to
+come when its forward and its backward replay (``pending_at_forward``,
+``pending_at_backward``, bitmasks over the graphs' indices): the ones pending at that
+capture. Replay refuses any other order (``replay.ReplayOrder``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from .schedule import BACKWARD, Step, plan_buffer_reuse
+from .schedule import BACKWARD, FORWARD, Step, plan_buffer_reuse
 
 __all__ = ["TensorMeta", "GraphLayout", "GraphPlan", "plan_capture"]
 
@@ -66,6 +73,10 @@ class GraphPlan:
     grad_output_from: Optional[int] = None  # graph whose input-grad buffer is its grad output
     lends_grad_buffer: bool = False  # its input-grad buffer is another graph's grad output
     releases_buffers: bool = False  # outputs and input grads go back to the pool after its backward
+    # The other graphs whose backward was still to come when its forward, and its backward,
+    # were captured (bit i: graph i): at replay, only those may be waiting for theirs.
+    pending_at_forward: int = 0
+    pending_at_backward: int = 0
 
 
 def plan_capture(
@@ -81,15 +92,34 @@ def plan_capture(
             if _chains(layouts[index], layouts[index + 1], backward_position, index):
                 lenders[index] = index + 1
     borrowed = set(lenders.values())
+    at_forward, at_backward = _pending(steps, layouts)
     return tuple(
         GraphPlan(
             donor=donors.get(index),
             grad_output_from=lenders.get(index),
             lends_grad_buffer=index in borrowed,
             releases_buffers=index in passed_on,
+            pending_at_forward=at_forward.get(index, 0),
+            pending_at_backward=at_backward.get(index, 0),
         )
         for index in range(len(layouts))
     )
+
+
+def _pending(steps: Sequence[Step], layouts: Sequence[GraphLayout]) -> tuple[dict[int, int], dict[int, int]]:
+    """Per graph, the graphs whose backward is still to come when its forward and its
+    backward are captured, in ``steps`` order (capture follows it), as bitmasks."""
+    pending, at_forward, at_backward = 0, {}, {}
+    for step in steps:
+        index = step.flat_index
+        if step.kind == FORWARD:
+            at_forward[index] = pending
+            if layouts[index].needs_backward:
+                pending |= 1 << index
+        elif step.kind == BACKWARD and layouts[index].needs_backward:
+            pending &= ~(1 << index)
+            at_backward[index] = pending
+    return at_forward, at_backward
 
 
 def _chains(graph: GraphLayout, following: GraphLayout, backward_position: dict, index: int) -> bool:

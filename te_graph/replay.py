@@ -30,10 +30,11 @@ from .te_support import accepts_is_first_microbatch
 from .grads import grads_redirected
 from .parameters import StandIns
 from .module_state import shares_memory
+from .plan import GraphPlan
 from .records import CapturedGraph, GraphSpec, WarmupRecord
 from .wgrad import DelayedWgrad, WgradBook, check_grads_as_captured, check_still_delayed, run_backward_dw
 
-__all__ = ["ReplayOptions", "Clock", "NO_CLOCK", "Runner", "GraphRunner", "EagerRunner", "run", "shapes_text"]
+__all__ = ["ReplayOptions", "Clock", "NO_CLOCK", "ReplayOrder", "Runner", "GraphRunner", "EagerRunner", "run", "shapes_text"]
 
 _DOUBLE_BACKWARD = (
     "{name}: double backward (create_graph=True, or torch.autograd.grad(..., "
@@ -85,6 +86,50 @@ class _NoClock:
 NO_CLOCK = _NoClock()
 
 
+class ReplayOrder:
+    """The graphs of one sample set of a make_graphed_callables call whose backward is still
+    to come, as a bitmask over their indices (``pending``).
+
+    The graphs share one memory pool, and each forward and backward was captured while only
+    some of the others held activations (``plan.GraphPlan.pending_at_forward`` and
+    ``pending_at_backward``): a replay while another graph waits for its backward may write
+    where that backward reads. One mask test per replay; a hit is confirmed against the calls
+    still alive (a forward whose result was dropped leaves its bit set) before it is refused."""
+
+    __slots__ = ("pending", "_runners")
+
+    def __init__(self) -> None:
+        self.pending = 0
+        self._runners: dict[int, Any] = {}  # index -> weakref to its runner
+
+    def join(self, index: int, runner: "Runner") -> int:
+        """Register ``runner`` as graph ``index``; its bit."""
+        self._runners[index] = weakref.ref(runner)
+        return 1 << index
+
+    def check(self, runner: "Runner", refused: int, what: str) -> None:
+        """Refuse ``runner``'s ``what`` if a graph in ``refused`` still waits for its backward."""
+        pending = 0
+        for index, ref in self._runners.items():
+            other = ref()
+            call = other._waiting() if other is not None else None
+            if call is not None and call.backwards == 0:
+                pending |= 1 << index
+        self.pending = pending
+        blocking = pending & refused
+        if not blocking:
+            return
+        other = self._runners[(blocking & -blocking).bit_length() - 1]()
+        raise RuntimeError(
+            f"{runner.name}: its {what} replays while the backward of {other.name} is still to come, but when "
+            f"this {what} was captured that graph held no activations (its forward came later, or its backward "
+            "earlier, in the captured order): the graphs of one make_graphed_callables call share one memory "
+            "pool, so this replay may overwrite what that backward reads. Call the graphs in the order they "
+            "were captured (without order=: forwards in the order of the callables, backwards in reverse; with "
+            "order=: as it says), or run that backward first."
+        )
+
+
 class Invocation:
     """One forward call's state, kept on its autograd node until its backward."""
 
@@ -116,7 +161,8 @@ class Runner:
     multi_output: bool = False
 
     def __init__(self, spec: GraphSpec, clock: Any, variant: int, updated: tuple[int, ...],
-                 wgrad_book: Optional[WgradBook] = None, wgrad: Optional[DelayedWgrad] = None):
+                 wgrad_book: Optional[WgradBook] = None, wgrad: Optional[DelayedWgrad] = None,
+                 order: Optional[ReplayOrder] = None, index: int = 0, plan: Optional[GraphPlan] = None):
         self.name = spec.name
         self.owner = spec.owner
         # The call's weight-gradient passes waiting (``wgrad``); None where it has none.
@@ -141,6 +187,12 @@ class Runner:
         self.clock = clock
         self.generation = 0
         self._waiting: Any = _NOTHING  # weakref to the last call whose backward may still come
+        # The graphs of its sample set that must not wait for their backward when its forward
+        # or its backward replays (``ReplayOrder``): those not pending at that capture.
+        self.order = order if order is not None else ReplayOrder()
+        self.bit = self.order.join(index, self)
+        self.refused_at_forward = ~(plan.pending_at_forward | self.bit) if plan is not None else 0
+        self.refused_at_backward = ~(plan.pending_at_backward | self.bit) if plan is not None else 0
 
     def backward_dw(self) -> None:
         """TE's ``backward_dw()``: the weight-gradient pass of this graph's last backward
@@ -163,6 +215,8 @@ class Runner:
                 "order=... with one sample set per microbatch; a result you will not backpropagate "
                 "through, compute under torch.no_grad() (or drop it before the next call)."
             )
+        if self.order.pending & self.refused_at_forward:
+            self.order.check(self, self.refused_at_forward, "forward")
         if self.wgrad_book is not None:
             self.wgrad_book.check_forward(self)
             if self.has_wgrad:
@@ -179,6 +233,7 @@ class Runner:
     def _issued(self, invocation: Invocation) -> Invocation:
         """Remember a call whose backward may come (checked by the next forward)."""
         self._waiting = weakref.ref(invocation)
+        self.order.pending |= self.bit
         return invocation
 
     def _before_backward(self, invocation: Invocation, grads: tuple) -> None:
@@ -197,11 +252,14 @@ class Runner:
                     "in the loss, or return only the outputs you use (detach the others inside the "
                     "callable)."
                 )
+        if self.order.pending & self.refused_at_backward:
+            self.order.check(self, self.refused_at_backward, "backward")
         if self.has_wgrad:
             self.wgrad_book.check_backward(self)
         self._check_fresh(invocation)
 
     def _after_backward(self) -> None:
+        self.order.pending &= ~self.bit
         if self.has_wgrad:
             self.wgrad_book.backward_done(self, self.clock.tick)
 
@@ -252,9 +310,10 @@ class GraphRunner(Runner):
     """Replays a captured forward/backward graph pair on its static buffers."""
 
     def __init__(self, spec: GraphSpec, graph: CapturedGraph, options: ReplayOptions, clock: Any = NO_CLOCK, variant: int = 0,
-                 wgrad_book: Optional[WgradBook] = None):
+                 wgrad_book: Optional[WgradBook] = None, order: Optional[ReplayOrder] = None, index: int = 0,
+                 plan: Optional[GraphPlan] = None):
         super().__init__(spec, clock, variant, graph.updated_inputs, wgrad_book,
-                         graph.wgrad.learned if graph.wgrad is not None else None)
+                         graph.wgrad.learned if graph.wgrad is not None else None, order, index, plan)
         self.graph = graph
         if graph.param_grads is not None:
             self.params = graph.param_grads.params  # less those only the weight-gradient pass sets
@@ -382,8 +441,9 @@ class EagerRunner(Runner):
     """Same wrapper, no graphs: runs the callable on the static buffers at every call."""
 
     def __init__(self, spec: GraphSpec, warmup: WarmupRecord, fp8: Any, clock: Any = NO_CLOCK, variant: int = 0,
-                 wgrad_book: Optional[WgradBook] = None, options: ReplayOptions = ReplayOptions()):
-        super().__init__(spec, clock, variant, warmup.updated, wgrad_book, warmup.wgrad)
+                 wgrad_book: Optional[WgradBook] = None, options: ReplayOptions = ReplayOptions(),
+                 order: Optional[ReplayOrder] = None, index: int = 0, plan: Optional[GraphPlan] = None):
+        super().__init__(spec, clock, variant, warmup.updated, wgrad_book, warmup.wgrad, order, index, plan)
         self.spec = spec
         self.fp8 = fp8  # the checks an FP8 graph's calls get (te_support.fp8_replay)
         self.takes_first_microbatch = accepts_is_first_microbatch(spec.call)

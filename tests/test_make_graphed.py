@@ -223,3 +223,98 @@ def test_torch_call_form_with_positional_pool():
     x_ref = x.detach().clone().requires_grad_(True)
     run_layers(reference, x_ref).sum().backward()
     assert torch.equal(x.grad, x_ref.grad)
+
+
+# -- the replay order: graphs of one call share one pool --------------------------------------
+_OUT_OF_ORDER = (
+    "{name}: its {what} replays while the backward of {other} is still to come, but when this {what} was "
+    "captured that graph held no activations (its forward came later, or its backward earlier, in the "
+    "captured order): the graphs of one make_graphed_callables call share one memory pool, so this replay "
+    "may overwrite what that backward reads.")
+
+
+def _blocks_and_reference(device, n=3):
+    blocks = make_blocks(n=n, device=device)
+    return blocks, clone_modules(blocks)
+
+
+def _grads(modules):
+    return [p.grad.clone() for m in modules for p in m.parameters()]
+
+
+def _replay_order_test(device, eager_replay):
+    """Orders that keep every pending backward's memory safe train as eager, bitwise; a
+    forward or backward replayed while a graph its capture did not leave room for waits is
+    refused before it runs, and the calls go on."""
+    blocks, reference = _blocks_and_reference(device)
+    sample = tuple((torch.randn(SHAPE, device=device, requires_grad=True),) for _ in blocks)
+    graphed = make_graphed_callables(tuple(blocks), sample, eager_replay=eager_replay)
+    g = torch.Generator(device="cpu").manual_seed(5)
+    xs = [torch.randn(SHAPE, generator=g).to(device) for _ in range(4)]
+
+    def run(layers, flow):
+        """``flow``: (layer, x index) forwards, each backpropagated where the flow says."""
+        outputs = {}
+        for kind, i, n in flow:
+            if kind == "f":
+                outputs[i] = layers[i](xs[n].clone().requires_grad_(True))[0]
+            else:
+                outputs.pop(i).float().square().sum().backward()
+
+    # Each layer on its own (F0 B0 F1 B1 F2 B2), and one layer left out (F0 F2 B2 B0):
+    # at every replay only graphs captured as pending wait.
+    for flow in ([("f", 0, 0), ("b", 0, 0), ("f", 1, 1), ("b", 1, 1), ("f", 2, 2), ("b", 2, 2)],
+                 [("f", 0, 3), ("f", 2, 1), ("b", 2, 1), ("b", 0, 3)]):
+        run(graphed, flow)
+        run(reference, flow)
+        assert_all_equal(_grads(blocks), _grads(reference), f"{flow}: parameter grads")
+    # A forward whose result is dropped leaves nothing waiting.
+    graphed[2](xs[0].clone().requires_grad_(True))
+    y0 = graphed[0](xs[1].clone().requires_grad_(True))[0]
+    # Layer 1 forward, then layer 0 forward again is "called again"; layer 0 before layer 1
+    # the other way round: layer 1 waits while layer 0's forward, captured before layer 1's
+    # existed, replays.
+    y0.sum().backward()
+    y1 = graphed[1](xs[1].clone().requires_grad_(True))[0]
+    for call in (lambda: graphed[0](xs[2].clone().requires_grad_(True)),
+                 lambda: torch.no_grad()(graphed[0])(xs[2])):
+        with pytest.raises(RuntimeError, match=re.escape(_OUT_OF_ORDER.format(
+                name="callable 0 (GPTBlock)", what="forward", other="callable 1 (GPTBlock)"))):
+            call()
+    y1.sum().backward()  # its backward is still right, and the calls go on
+    graphed[0](xs[2].clone().requires_grad_(True))[0].sum().backward()
+
+
+# Graphs on a GPU, eager replay on the CPU.
+MODES = [pytest.param("cuda", False, marks=pytest.mark.gpu, id="graphs"), pytest.param("cpu", True, id="eager-replay-cpu")]
+
+
+@pytest.mark.parametrize("device, eager_replay", MODES)
+def test_replays_out_of_the_captured_order_are_refused_where_they_could_overwrite(device, eager_replay):
+    _replay_order_test(device, eager_replay)
+
+
+def _microbatch_order_test(device, eager_replay):
+    """One layer, two microbatches captured F F B B: the second microbatch's backward,
+    captured after the first's had run, is refused while the first waits (its replay may
+    write where the first's activations lie); the captured order trains as eager."""
+    blocks, reference = _blocks_and_reference(device, n=1)
+    sample = tuple((torch.randn(SHAPE, device=device, requires_grad=True),) for _ in range(2))
+    mb0, mb1 = make_graphed_callables(tuple(blocks), sample, _order=[1, 1, -1, -1], eager_replay=eager_replay)
+    g = torch.Generator(device="cpu").manual_seed(6)
+    x0, x1 = (torch.randn(SHAPE, generator=g).to(device) for _ in range(2))
+    y0, y1 = mb0(x0.clone().requires_grad_(True))[0], mb1(x1.clone().requires_grad_(True))[0]
+    with pytest.raises(RuntimeError, match=re.escape(_OUT_OF_ORDER.format(
+            name="callable 0 (GPTBlock), microbatch 1", what="backward", other="callable 0 (GPTBlock), microbatch 0"))):
+        y1.sum().backward()
+    y0.sum().backward()
+    del y1  # the refused backward's call: dropped, it waits for nothing, and the calls go on
+    mb1(x1.clone().requires_grad_(True))[0].sum().backward()
+    for x in (x0, x1):
+        reference[0](x.clone().requires_grad_(True))[0].sum().backward()
+    assert_all_equal(_grads(blocks), _grads(reference), "parameter grads")
+
+
+@pytest.mark.parametrize("device, eager_replay", MODES)
+def test_a_microbatch_backward_out_of_the_captured_order_is_refused(device, eager_replay):
+    _microbatch_order_test(device, eager_replay)

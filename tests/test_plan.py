@@ -23,8 +23,13 @@ def plain(n: int):
     return plan_schedule(n, n).steps
 
 
+def sharing(plans) -> tuple:
+    """The buffer-sharing part of each plan (the pending masks are tested on their own)."""
+    return tuple(GraphPlan(p.donor, p.grad_output_from, p.lends_grad_buffer, p.releases_buffers) for p in plans)
+
+
 def test_a_stack_chains_every_boundary_and_lends_every_buffer_but_the_first():
-    plans = plan_capture(plain(3), [layer()] * 3, reuse_buffers=False, chain_grads=True)
+    plans = sharing(plan_capture(plain(3), [layer()] * 3, reuse_buffers=False, chain_grads=True))
     assert plans == (
         GraphPlan(grad_output_from=1),
         GraphPlan(grad_output_from=2, lends_grad_buffer=True),
@@ -50,7 +55,7 @@ def test_no_chaining_where_the_hand_over_is_not_plain():
         [layer(), forward_only],  # the next layer has no backward
     ]
     for number, layouts in enumerate(cases):
-        plans = plan_capture(plain(2), layouts, reuse_buffers=False, chain_grads=True)
+        plans = sharing(plan_capture(plain(2), layouts, reuse_buffers=False, chain_grads=True))
         assert plans == (GraphPlan(), GraphPlan()), f"case {number}"
 
 
@@ -62,19 +67,42 @@ def test_two_outputs_of_which_one_is_differentiable_chain():
 def test_no_chaining_under_an_order_and_reuse_only_when_asked():
     steps = plan_schedule(2, 4, order=[1, 1, -1, -1]).steps  # 2 layers x 2 microbatches
     layouts = [layer()] * 4
-    assert plan_capture(steps, layouts, reuse_buffers=False, chain_grads=False) == (GraphPlan(),) * 4
+    assert sharing(plan_capture(steps, layouts, reuse_buffers=False, chain_grads=False)) == (GraphPlan(),) * 4
     # With reuse: every forward runs before any backward, so no buffer is free to take over.
-    assert plan_capture(steps, layouts, reuse_buffers=True, chain_grads=False) == (GraphPlan(),) * 4
+    assert sharing(plan_capture(steps, layouts, reuse_buffers=True, chain_grads=False)) == (GraphPlan(),) * 4
 
 
 def test_buffer_reuse_takes_over_a_finished_microbatch_and_releases_its_buffers():
     # One layer, order F B F B: microbatch 1's forward runs after microbatch 0's backward.
     steps = plan_schedule(1, 2, order=[1, -1, 1, -1]).steps
-    plans = plan_capture(steps, [layer(), layer()], reuse_buffers=True, chain_grads=False)
+    plans = sharing(plan_capture(steps, [layer(), layer()], reuse_buffers=True, chain_grads=False))
     assert plans == (GraphPlan(releases_buffers=True), GraphPlan(donor=0))
     # Another output layout: nothing to take over.
     other = layer(outputs=(meta(shape=(4, 2, 16)),))
-    assert plan_capture(steps, [layer(), other], reuse_buffers=True, chain_grads=False) == (GraphPlan(), GraphPlan())
+    assert sharing(plan_capture(steps, [layer(), other], reuse_buffers=True, chain_grads=False)) == (GraphPlan(), GraphPlan())
+
+
+def masks(plans) -> list:
+    return [(p.pending_at_forward, p.pending_at_backward) for p in plans]
+
+
+def test_each_plan_names_the_graphs_whose_backward_may_wait_at_its_replays():
+    """The graphs pending (forward captured, backward not yet) at each capture, as bitmasks:
+    all that a replay may find waiting (replay.ReplayOrder refuses the rest)."""
+    # Plain: F0 F1 F2 B2 B1 B0.
+    assert masks(plan_capture(plain(3), [layer()] * 3, reuse_buffers=False, chain_grads=True)) == [
+        (0b000, 0b000), (0b001, 0b001), (0b011, 0b011)]
+    # A forward-only graph is never pending: F0 F1 B0 (graph 1 has no backward).
+    assert masks(plan_capture(plain(2), [layer(), layer(backward=False)], reuse_buffers=False, chain_grads=False)) == [
+        (0b00, 0b00), (0b01, 0b00)]
+    # One layer, 2 microbatches, order F F B B: microbatch 1's forward was captured while
+    # microbatch 0 waited; microbatch 1's backward after microbatch 0's had run.
+    steps = plan_schedule(1, 2, order=[1, 1, -1, -1]).steps
+    assert masks(plan_capture(steps, [layer()] * 2, reuse_buffers=False, chain_grads=False)) == [
+        (0b00, 0b10), (0b01, 0b00)]
+    # Order F B F B: nothing is ever waiting.
+    steps = plan_schedule(1, 2, order=[1, -1, 1, -1]).steps
+    assert masks(plan_capture(steps, [layer()] * 2, reuse_buffers=True, chain_grads=False)) == [(0, 0), (0, 0)]
 
 
 def test_a_warmed_up_stack_plans_its_chain():
