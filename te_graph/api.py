@@ -21,7 +21,7 @@ from .te_support import FP8Options, fp8_options, fp8_replay, is_te_module
 from .graphed import GraphedCallable, graphed_callable_of, install_on_module
 from .options import GraphOptions, eager_replay_default, graph_options
 from .records import GraphSpec
-from .replay import NO_CLOCK, Clock, EagerRunner, GraphRunner, ReplayOptions, ReplayOrder
+from .replay import NO_CLOCK, Clock, EagerRunner, GraphRunner, OrderSlot, ReplayOptions, ReplayOrder
 from .resources import RESOURCES
 from .schedule import plan_schedule
 from .wgrad import WgradBook
@@ -255,23 +255,43 @@ def _wrap(spec_sets: list[list[GraphSpec]], prepared: Prepared, options: GraphOp
     has_wgrad = any(w.wgrad is not None for warmups in prepared.warmups for w in warmups)
     book = WgradBook(ordered=options.order is not None) if has_wgrad else None
 
-    # The graphs of each sample set waiting for their backward (``ReplayOrder``).
-    orders = [ReplayOrder() for _ in spec_sets]
+    # The pool's graphs holding activations (``ReplayOrder``): one per pool, shared with the
+    # calls that captured into it before (pool= a graphed callable, in eager replay too, or
+    # the same handle).
+    order = _replay_order(options.pool, pool)
+    count = len(spec_sets[0])
+    first = order.reserve(len(spec_sets) * count)
+    # The call's other sample sets are Clock's: allowed here.
+    call_bits = ((1 << (len(spec_sets) * count)) - 1) << first
+
+    def slot(variant: int, index: int) -> OrderSlot:
+        plan, base = prepared.plans[variant][index], first + variant * count
+        others = call_bits & ~(((1 << count) - 1) << base)
+        return OrderSlot(order, base + index, (plan.pending_at_forward << base) | others,
+                         (plan.pending_at_backward << base) | others)
 
     def runner(variant: int, index: int):
-        spec, plan = spec_sets[variant][index], prepared.plans[variant][index]
+        spec = spec_sets[variant][index]
         if prepared.captured is None:
             warmup = prepared.warmups[variant][index]
             checks_ = fp8_replay(spec.fp8, fp8, warmup.te_modules, spec.has_te, graphs=False)
-            return EagerRunner(spec, warmup, checks_, clock, variant, book, replay, orders[variant], index, plan)
-        return GraphRunner(spec, prepared.captured[variant][index], replay, clock, variant, book, orders[variant], index,
-                           plan)
+            return EagerRunner(spec, warmup, checks_, clock, variant, book, replay, slot(variant, index))
+        return GraphRunner(spec, prepared.captured[variant][index], replay, clock, variant, book, slot(variant, index))
 
     return [
         GraphedCallable([runner(v, i) for v in range(len(spec_sets))], spec_sets[0][i], pool, frozen[i],
-                        options.unseen_shape)
+                        options.unseen_shape, order)
         for i in range(len(spec_sets[0]))
     ]
+
+
+def _replay_order(given: Any, pool: Any) -> ReplayOrder:
+    """The ``ReplayOrder`` of the pool the graphs were captured into: a graphed callable's
+    (``pool=`` one), the process's for a pool handle, or a new one (eager replay, no pool)."""
+    shared = graphed_callable_of(given) if given is not None else None
+    if shared is not None and shared.replay_order is not None:
+        return shared.replay_order
+    return RESOURCES.replay_order(pool) if pool is not None else ReplayOrder()
 
 
 def _device_type(specs: list[GraphSpec]) -> str:

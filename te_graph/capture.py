@@ -163,6 +163,7 @@ def _plan(specs: Sequence[GraphSpec], warmups: Sequence[WarmupRecord], steps, op
             tuple(map(TensorMeta.of, record.output.tensors, record.output.devices)),
             record.unused,
             spec.needs_backward,
+            spec.retain_graph,
         )
         for spec, record in zip(specs, warmups)
     ]

@@ -26,7 +26,7 @@ class GraphedCallable:
     call it like the original."""
 
     def __init__(self, runners: list[Runner], spec: GraphSpec, pool: Any, fingerprint: Fingerprint,
-                 unseen_shape: str = "error"):
+                 unseen_shape: str = "error", replay_order: Any = None):
         self._runners = {r.shape: r for r in runners}
         # One shape and no eager fallback: the call's checks alone pick the graph.
         self._single = runners[0] if len(runners) == 1 and unseen_shape == "error" else None
@@ -42,6 +42,7 @@ class GraphedCallable:
         # modules (as TE's graphed callables do) unless it was a captured keyword.
         self._pops_first_microbatch = spec.has_te and "is_first_microbatch" not in spec.layout.kw_keys
         self.pool = pool
+        self.replay_order = replay_order  # its pool's replay.ReplayOrder, for calls that share the pool
         self.__name__ = spec.name
         RESOURCES.add_callable(self)
 

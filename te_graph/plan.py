@@ -15,17 +15,17 @@ every decision. Two kinds of sharing:
 
 And the memory the graphs share through their one pool: a forward or backward captured
 while another graph's backward had already run, or its forward not yet, may have been given
-that graph's activation memory. Each plan names the graphs whose backward may still be to
-come when its forward and its backward replay (``pending_at_forward``,
-``pending_at_backward``, bitmasks over the graphs' indices): the ones pending at that
-capture. Replay refuses any other order (``replay.ReplayOrder``).
+that graph's activation memory. Each plan names the graphs that may hold activations when
+its forward and its backward replay (``pending_at_forward``, ``pending_at_backward``,
+bitmasks over the graphs' indices): the ones that held them at that capture. Replay
+refuses any other order (``replay.ReplayOrder``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from .schedule import BACKWARD, FORWARD, Step, plan_buffer_reuse
+from .schedule import BACKWARD, FORWARD, WGRAD, Step, plan_buffer_reuse
 
 __all__ = ["TensorMeta", "GraphLayout", "GraphPlan", "plan_capture"]
 
@@ -57,6 +57,7 @@ class GraphLayout:
     outputs: tuple[TensorMeta, ...]
     unused: tuple[int, ...]  # inputs requiring grad that no output depends on
     needs_backward: bool
+    retains_graph: bool = False  # its backward keeps its activations (retain_graph_in_backward)
 
     def reuse_signature(self) -> tuple:
         def key(m: TensorMeta) -> tuple:
@@ -107,18 +108,25 @@ def plan_capture(
 
 
 def _pending(steps: Sequence[Step], layouts: Sequence[GraphLayout]) -> tuple[dict[int, int], dict[int, int]]:
-    """Per graph, the graphs whose backward is still to come when its forward and its
-    backward are captured, in ``steps`` order (capture follows it), as bitmasks."""
+    """Per graph, the graphs holding activations when its forward and its backward are
+    captured, in ``steps`` order (capture follows it), as bitmasks: from a graph's forward
+    to its backward, or to its weight-gradient pass (which reads what the backward left in
+    TE's queue), or for good where the backward keeps the autograd graph."""
+    passes = {step.flat_index for step in steps if step.kind == WGRAD}
     pending, at_forward, at_backward = 0, {}, {}
     for step in steps:
-        index = step.flat_index
+        index, layout = step.flat_index, layouts[step.flat_index]
+        bit = 1 << index
         if step.kind == FORWARD:
             at_forward[index] = pending
-            if layouts[index].needs_backward:
-                pending |= 1 << index
-        elif step.kind == BACKWARD and layouts[index].needs_backward:
-            pending &= ~(1 << index)
-            at_backward[index] = pending
+            if layout.needs_backward:
+                pending |= bit
+        elif step.kind == BACKWARD and layout.needs_backward:
+            at_backward[index] = pending & ~bit
+            if index not in passes and not layout.retains_graph:
+                pending &= ~bit
+        elif step.kind == WGRAD and not layout.retains_graph:
+            pending &= ~bit
     return at_forward, at_backward
 
 

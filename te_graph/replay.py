@@ -30,11 +30,10 @@ from .te_support import accepts_is_first_microbatch
 from .grads import grads_redirected
 from .parameters import StandIns
 from .module_state import shares_memory
-from .plan import GraphPlan
 from .records import CapturedGraph, GraphSpec, WarmupRecord
 from .wgrad import DelayedWgrad, WgradBook, check_grads_as_captured, check_still_delayed, run_backward_dw
 
-__all__ = ["ReplayOptions", "Clock", "NO_CLOCK", "ReplayOrder", "Runner", "GraphRunner", "EagerRunner", "run", "shapes_text"]
+__all__ = ["ReplayOptions", "Clock", "NO_CLOCK", "ReplayOrder", "OrderSlot", "Runner", "GraphRunner", "EagerRunner", "run", "shapes_text"]
 
 _DOUBLE_BACKWARD = (
     "{name}: double backward (create_graph=True, or torch.autograd.grad(..., "
@@ -87,47 +86,104 @@ NO_CLOCK = _NoClock()
 
 
 class ReplayOrder:
-    """The graphs of one sample set of a make_graphed_callables call whose backward is still
-    to come, as a bitmask over their indices (``pending``).
+    """The graphs of one memory pool that hold activations, as bitmasks over their
+    positions: ``pending`` (a backward, or a weight-gradient pass, still to come) and
+    ``retained`` (a backward ran and kept them: ``retain_graph_in_backward``).
 
-    The graphs share one memory pool, and each forward and backward was captured while only
-    some of the others held activations (``plan.GraphPlan.pending_at_forward`` and
-    ``pending_at_backward``): a replay while another graph waits for its backward may write
-    where that backward reads. One mask test per replay; a hit is confirmed against the calls
-    still alive (a forward whose result was dropped leaves its bit set) before it is refused."""
+    Each forward and backward was captured while only some of the pool's graphs held
+    activations (``plan.GraphPlan.pending_at_forward`` and ``pending_at_backward``; the
+    graphs of other ``make_graphed_callables`` calls sharing the pool never): a replay may
+    write where any other graph's activations lie. A replay while such a graph waits for
+    its backward is refused; one while such a graph keeps them for a second backward marks
+    it, and that second backward is refused. One mask test per replay; a hit is confirmed
+    against the calls still alive (a forward whose result was dropped leaves its bit set)
+    before it is refused. Graphs of another sample set of the same call are left to
+    ``Clock``."""
 
-    __slots__ = ("pending", "_runners")
+    __slots__ = ("pending", "retained", "clobbered", "_runners", "_size", "_clobbered_by", "__weakref__")
 
     def __init__(self) -> None:
         self.pending = 0
-        self._runners: dict[int, Any] = {}  # index -> weakref to its runner
+        self.retained = 0
+        self.clobbered = 0
+        self._runners: dict[int, Any] = {}  # position -> weakref to its runner
+        self._size = 0
+        self._clobbered_by: dict[int, str] = {}
 
-    def join(self, index: int, runner: "Runner") -> int:
-        """Register ``runner`` as graph ``index``; its bit."""
-        self._runners[index] = weakref.ref(runner)
-        return 1 << index
+    def reserve(self, count: int) -> int:
+        """Positions for ``count`` more graphs of the pool; the first of them."""
+        first, self._size = self._size, self._size + count
+        return first
+
+    def join(self, position: int, runner: "Runner") -> int:
+        """Register ``runner`` at ``position``; its bit."""
+        self._runners[position] = weakref.ref(runner)
+        return 1 << position
 
     def check(self, runner: "Runner", refused: int, what: str) -> None:
-        """Refuse ``runner``'s ``what`` if a graph in ``refused`` still waits for its backward."""
+        """Refuse ``runner``'s ``what`` if a graph in ``refused`` still waits for its backward
+        or its weight-gradient pass."""
         pending = 0
-        for index, ref in self._runners.items():
+        for position, ref in self._runners.items():
             other = ref()
-            call = other._waiting() if other is not None else None
-            if call is not None and call.backwards == 0:
-                pending |= 1 << index
+            if other is None:
+                continue
+            call = other._waiting()
+            if (call is not None and call.backwards == 0) or (other.has_wgrad and other.wgrad_book.waits(other)):
+                pending |= 1 << position
         self.pending = pending
         blocking = pending & refused
         if not blocking:
             return
         other = self._runners[(blocking & -blocking).bit_length() - 1]()
+        call = other._waiting()
+        awaited = "backward" if call is not None and call.backwards == 0 else "backward_dw()"
         raise RuntimeError(
-            f"{runner.name}: its {what} replays while the backward of {other.name} is still to come, but when "
-            f"this {what} was captured that graph held no activations (its forward came later, or its backward "
-            "earlier, in the captured order): the graphs of one make_graphed_callables call share one memory "
-            "pool, so this replay may overwrite what that backward reads. Call the graphs in the order they "
-            "were captured (without order=: forwards in the order of the callables, backwards in reverse; with "
-            "order=: as it says), or run that backward first."
+            f"{runner.name}: its {what} replays while {other.name} still waits for its {awaited}, but when this "
+            f"{what} was captured that graph held no activations (its forward came later, or its {awaited} "
+            "earlier, in the captured order, or it was captured by another make_graphed_callables call into "
+            "the same pool): the graphs share one memory pool, so this replay may overwrite what that "
+            f"{awaited} reads. Call the graphs in the order they were captured (without order=: forwards in "
+            "the order of the callables, backwards in reverse; with order=: as it says), or run that "
+            f"{awaited} first."
         )
+
+    def clobber(self, runner: "Runner", hit: int) -> None:
+        """``runner`` replays where the graphs in ``hit`` keep activations for another backward."""
+        self.clobbered |= hit
+        while hit:
+            low = hit & -hit
+            self._clobbered_by[low.bit_length() - 1] = runner.name
+            hit ^= low
+
+    def check_kept(self, runner: "Runner", bit: int) -> None:
+        """Before a second backward through one call: refused if a replay since may have
+        overwritten its activations."""
+        if self.clobbered & bit:
+            raise RuntimeError(
+                f"{runner.name}: a second backward through this call, but since its first one "
+                f"{self._clobbered_by[bit.bit_length() - 1]} replayed, captured while this graph's "
+                "activations were not kept: they share one memory pool, so that replay may have overwritten "
+                "what this backward reads. Run every backward through a call before calling graphs captured "
+                "before it, or call the graph again."
+            )
+
+    def forget(self, bit: int) -> None:
+        """A new call of the graph at ``bit``: what it kept is its own replay's now."""
+        self.retained &= ~bit
+        self.clobbered &= ~bit
+
+
+@dataclass(frozen=True)
+class OrderSlot:
+    """Where one runner sits in its pool's ``ReplayOrder``: its position and the graphs
+    that may hold activations at its forward and backward replays (the plan's, shifted to
+    the pool's positions, and the graphs of the call's other sample sets)."""
+
+    order: ReplayOrder
+    position: int
+    allowed_at_forward: int
+    allowed_at_backward: int
 
 
 class Invocation:
@@ -162,7 +218,7 @@ class Runner:
 
     def __init__(self, spec: GraphSpec, clock: Any, variant: int, updated: tuple[int, ...],
                  wgrad_book: Optional[WgradBook] = None, wgrad: Optional[DelayedWgrad] = None,
-                 order: Optional[ReplayOrder] = None, index: int = 0, plan: Optional[GraphPlan] = None):
+                 slot: Optional[OrderSlot] = None):
         self.name = spec.name
         self.owner = spec.owner
         # The call's weight-gradient passes waiting (``wgrad``); None where it has none.
@@ -187,12 +243,13 @@ class Runner:
         self.clock = clock
         self.generation = 0
         self._waiting: Any = _NOTHING  # weakref to the last call whose backward may still come
-        # The graphs of its sample set that must not wait for their backward when its forward
-        # or its backward replays (``ReplayOrder``): those not pending at that capture.
-        self.order = order if order is not None else ReplayOrder()
-        self.bit = self.order.join(index, self)
-        self.refused_at_forward = ~(plan.pending_at_forward | self.bit) if plan is not None else 0
-        self.refused_at_backward = ~(plan.pending_at_backward | self.bit) if plan is not None else 0
+        # The graphs of its pool whose activations its forward or its backward replay may
+        # overwrite (``ReplayOrder``): those that held none at that capture.
+        slot = slot if slot is not None else OrderSlot(ReplayOrder(), 0, -1, -1)
+        self.order = slot.order
+        self.bit = self.order.join(slot.position, self)
+        self.refused_at_forward = ~(slot.allowed_at_forward | self.bit)
+        self.refused_at_backward = ~(slot.allowed_at_backward | self.bit)
 
     def backward_dw(self) -> None:
         """TE's ``backward_dw()``: the weight-gradient pass of this graph's last backward
@@ -201,6 +258,7 @@ class Runner:
             self.wgrad_book.check_take(self, self.clock.tick)
             self._run_wgrad()
             self.wgrad_book.taken(self)
+            self.order.pending &= ~self.bit
 
     def _run_wgrad(self) -> None:
         raise NotImplementedError
@@ -215,12 +273,17 @@ class Runner:
                 "order=... with one sample set per microbatch; a result you will not backpropagate "
                 "through, compute under torch.no_grad() (or drop it before the next call)."
             )
-        if self.order.pending & self.refused_at_forward:
-            self.order.check(self, self.refused_at_forward, "forward")
         if self.wgrad_book is not None:
             self.wgrad_book.check_forward(self)
             if self.has_wgrad:
                 check_still_delayed(self.name, self.wgrad)
+        order = self.order
+        if order.pending & self.refused_at_forward:
+            order.check(self, self.refused_at_forward, "forward")
+        if order.retained:
+            if order.retained & self.refused_at_forward:
+                order.clobber(self, order.retained & self.refused_at_forward)
+            order.forget(self.bit)
 
     def _take_outputs(self, outputs: tuple[torch.Tensor, ...], fed: tuple) -> None:
         """Which outputs take no gradient, and whether several do (a backward where one of
@@ -252,14 +315,23 @@ class Runner:
                     "in the loss, or return only the outputs you use (detach the others inside the "
                     "callable)."
                 )
-        if self.order.pending & self.refused_at_backward:
-            self.order.check(self, self.refused_at_backward, "backward")
         if self.has_wgrad:
             self.wgrad_book.check_backward(self)
+        order = self.order
+        if order.pending & self.refused_at_backward:
+            order.check(self, self.refused_at_backward, "backward")
+        if order.retained:
+            if invocation.backwards and invocation.generation == self.generation:
+                order.check_kept(self, self.bit)
+            if order.retained & self.refused_at_backward:
+                order.clobber(self, order.retained & self.refused_at_backward)
         self._check_fresh(invocation)
 
     def _after_backward(self) -> None:
-        self.order.pending &= ~self.bit
+        if not self.has_wgrad:  # else its weight-gradient pass still reads them (backward_dw)
+            self.order.pending &= ~self.bit
+        if self.retains_graph:
+            self.order.retained |= self.bit
         if self.has_wgrad:
             self.wgrad_book.backward_done(self, self.clock.tick)
 
@@ -310,10 +382,9 @@ class GraphRunner(Runner):
     """Replays a captured forward/backward graph pair on its static buffers."""
 
     def __init__(self, spec: GraphSpec, graph: CapturedGraph, options: ReplayOptions, clock: Any = NO_CLOCK, variant: int = 0,
-                 wgrad_book: Optional[WgradBook] = None, order: Optional[ReplayOrder] = None, index: int = 0,
-                 plan: Optional[GraphPlan] = None):
+                 wgrad_book: Optional[WgradBook] = None, slot: Optional[OrderSlot] = None):
         super().__init__(spec, clock, variant, graph.updated_inputs, wgrad_book,
-                         graph.wgrad.learned if graph.wgrad is not None else None, order, index, plan)
+                         graph.wgrad.learned if graph.wgrad is not None else None, slot)
         self.graph = graph
         if graph.param_grads is not None:
             self.params = graph.param_grads.params  # less those only the weight-gradient pass sets
@@ -367,6 +438,7 @@ class GraphRunner(Runner):
         record = graph.rng.record() if with_backward else ()
         tick = self.clock.forward(self.variant, self.shape)
         self.handout.before_replay()
+        graph.fp8.before_replay()
         graph.fwd_graph.replay()
         graph.fp8.after_forward()
         if moved:
@@ -442,8 +514,8 @@ class EagerRunner(Runner):
 
     def __init__(self, spec: GraphSpec, warmup: WarmupRecord, fp8: Any, clock: Any = NO_CLOCK, variant: int = 0,
                  wgrad_book: Optional[WgradBook] = None, options: ReplayOptions = ReplayOptions(),
-                 order: Optional[ReplayOrder] = None, index: int = 0, plan: Optional[GraphPlan] = None):
-        super().__init__(spec, clock, variant, warmup.updated, wgrad_book, warmup.wgrad, order, index, plan)
+                 slot: Optional[OrderSlot] = None):
+        super().__init__(spec, clock, variant, warmup.updated, wgrad_book, warmup.wgrad, slot)
         self.spec = spec
         self.fp8 = fp8  # the checks an FP8 graph's calls get (te_support.fp8_replay)
         self.takes_first_microbatch = accepts_is_first_microbatch(spec.call)

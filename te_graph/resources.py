@@ -12,6 +12,8 @@
   an autocast's first FP8 call.
 * **Live graphed callables**, held weakly, so that ``te_graph.reset()`` with no argument
   can free every graph (teardown before ``destroy_process_group``).
+* **The replay order of each memory pool** (``replay.ReplayOrder``), held weakly by the
+  pool's handle: the calls that capture into one pool share it.
 
 ``RESOURCES`` is the one instance; ``RESOURCES.teardown()`` (what ``te_graph.reset()``
 calls) frees the graphs and forgets the rest.
@@ -40,6 +42,16 @@ class ProcessResources:
         self._grad_buffers = WeakIdKeyDictionary()
         self._callables: "weakref.WeakSet[Any]" = weakref.WeakSet()
         self._amax_reductions: dict[int, Any] = {}
+        self._replay_orders: "weakref.WeakValueDictionary[Any, Any]" = weakref.WeakValueDictionary()
+
+    def replay_order(self, pool: Any) -> Any:
+        """The ``replay.ReplayOrder`` of the graphs captured into ``pool`` (a pool handle)."""
+        order = self._replay_orders.get(pool)
+        if order is None:
+            from .replay import ReplayOrder  # noqa: PLC0415 - replay imports this module
+
+            order = self._replay_orders[pool] = ReplayOrder()
+        return order
 
     def capture_stream(self) -> "torch.cuda.Stream":
         """The side stream of the current device for every warmup and capture."""
@@ -83,6 +95,7 @@ class ProcessResources:
         for reduction in self._amax_reductions.values():
             reduction.reset()
         self._amax_reductions = {}
+        self._replay_orders = weakref.WeakValueDictionary()
         self._callables = weakref.WeakSet()
         self._streams = {}
         self._grad_buffers = WeakIdKeyDictionary()

@@ -236,8 +236,9 @@ class FP8Capture:
     @contextlib.contextmanager
     def checkpoint_guard(self, name: str) -> Iterator[None]:
         """Around a callable's first warmup forward: with weight caching, refuse a forward
-        that runs a TE module with weights inside an activation checkpoint (TE's recompute
-        region: ``te.distributed.checkpoint``, te_graph's checkpoint).
+        that runs TE's LayerNormLinear or LayerNormMLP inside an activation checkpoint
+        (TE's recompute region: ``te.distributed.checkpoint``, te_graph's checkpoint,
+        megatron-core's ``CheckpointWithoutOutput``).
 
         Measured on an H100 (TE 2.20, te.TransformerLayer and te.LayerNormMLP, delayed and
         current scaling): from the second microbatch on such graphs part from eager TE. The
@@ -251,15 +252,16 @@ class FP8Capture:
         from transformer_engine.pytorch import distributed  # noqa: PLC0415
 
         seen: list = []
-        # TE's Linear (and megatron-core's wrappers of it) caches the columnwise copy in a
-        # checkpointed forward too (TE 2.20 linear.py, inside the recompute region): nothing
-        # to exchange, and graphed exactly (measured, delayed scaling, 2 microbatches x 2 steps).
-        exact = _te().Linear
+        # The modules that cache a rowwise-only FP8 weight in a checkpointed forward (TE 2.20;
+        # megatron-core's wrappers subclass them). TE's Linear and GroupedLinear cache the
+        # columnwise copy there too (linear.py, grouped_linear.py: usage inside the recompute
+        # region): nothing to exchange, and te.Linear was measured exact (delayed scaling,
+        # 2 microbatches x 2 steps). Normalizations and attention cache no FP8 weight.
+        te = _te()
+        exchanging = (te.LayerNormLinear, te.LayerNormMLP)
 
         def record(module: torch.nn.Module, *_: Any) -> None:
-            if (is_te_module(module) and not isinstance(module, exact)
-                    and next(module.parameters(recurse=False), None) is not None
-                    and distributed.is_fp8_activation_recompute_enabled()
+            if (isinstance(module, exchanging) and distributed.is_fp8_activation_recompute_enabled()
                     and not distributed.in_fp8_activation_recompute_phase()):
                 seen.append(module)
 
@@ -334,6 +336,10 @@ class _NoFP8:
     @staticmethod
     def before_forward(name: str, is_first_microbatch: Any) -> bool:
         return False
+
+    @staticmethod
+    def before_replay() -> None:
+        pass
 
     @staticmethod
     def after_forward() -> None:
@@ -467,16 +473,21 @@ class FP8Replay(FP8Checks):
             meta["recipe"] = recipe
             if registered not in meta:  # TE's own test, without its call: once per module
                 state.add_fp8_tensors_to_global_buffer(meta)
-        if self.recompute_metas and self.recompute_phase():
-            for meta in self.recompute_metas:  # the forward's scales in place (after_forward undoes it)
-                state.get_old_fp8_meta_tensors_for_recompute(meta)
-        elif self.recompute_metas and self.recompute_region():
-            for meta in self.recompute_metas:  # a copy of the scales for the recompute (two copy kernels each)
-                state.copy_forward_fp8_meta_tensors_for_recompute(meta)
         first = state.is_first_fp8_module()
         if first and self.caching:
             state.set_skip_fp8_weight_update_tensor(self.reuses_weights and not is_first_microbatch)
         return first
+
+    def before_replay(self) -> None:
+        """Right before the forward replay, after every check of the call (nothing may
+        refuse it between this and after_forward): in TE's recompute region, a copy of the
+        forward's scales for the recompute; in its recompute phase, those scales in place."""
+        if self.recompute_metas and self.recompute_phase():
+            for meta in self.recompute_metas:  # the forward's scales in place (after_forward undoes it)
+                self.state.get_old_fp8_meta_tensors_for_recompute(meta)
+        elif self.recompute_metas and self.recompute_region():
+            for meta in self.recompute_metas:  # a copy of the scales for the recompute (two copy kernels each)
+                self.state.copy_forward_fp8_meta_tensors_for_recompute(meta)
 
     def after_forward(self) -> None:
         """After a forward replay in TE's recompute phase: the live scales and amax history

@@ -245,11 +245,12 @@ class WgradBook:
         self.ordered = ordered
         self.waiting: dict[str, collections.deque] = collections.defaultdict(collections.deque)
 
-    def _waits(self, runner: Any) -> bool:
+    def waits(self, runner: Any) -> bool:
+        """Whether the weight-gradient pass of ``runner``'s last backward still waits."""
         return any(r is runner for r, _ in self.waiting[runner.owner])
 
     def check_forward(self, runner: Any) -> None:
-        if self._waits(runner):
+        if self.waits(runner):
             raise RuntimeError(self._busy(runner, "forward"))
         if not self.ordered:
             for queue in self.waiting.values():
@@ -262,7 +263,7 @@ class WgradBook:
                     )
 
     def check_backward(self, runner: Any) -> None:
-        if self._waits(runner):
+        if self.waits(runner):
             raise RuntimeError(self._busy(runner, "backward"))
 
     @staticmethod
@@ -278,7 +279,7 @@ class WgradBook:
         """Before ``runner``'s ``backward_dw()``: it is the oldest of its callable waiting,
         and no other shape's graphs replayed since its backward."""
         queue = self.waiting[runner.owner]
-        if not self._waits(runner):
+        if not self.waits(runner):
             raise RuntimeError(
                 f"{runner.name}: backward_dw() without a backward waiting for it; call it once "
                 "after each backward."

@@ -227,10 +227,10 @@ def test_torch_call_form_with_positional_pool():
 
 # -- the replay order: graphs of one call share one pool --------------------------------------
 _OUT_OF_ORDER = (
-    "{name}: its {what} replays while the backward of {other} is still to come, but when this {what} was "
+    "{name}: its {what} replays while {other} still waits for its backward, but when this {what} was "
     "captured that graph held no activations (its forward came later, or its backward earlier, in the "
-    "captured order): the graphs of one make_graphed_callables call share one memory pool, so this replay "
-    "may overwrite what that backward reads.")
+    "captured order, or it was captured by another make_graphed_callables call into the same pool): the "
+    "graphs share one memory pool, so this replay may overwrite what that backward reads.")
 
 
 def _blocks_and_reference(device, n=3):
@@ -318,3 +318,54 @@ def _microbatch_order_test(device, eager_replay):
 @pytest.mark.parametrize("device, eager_replay", MODES)
 def test_a_microbatch_backward_out_of_the_captured_order_is_refused(device, eager_replay):
     _microbatch_order_test(device, eager_replay)
+
+
+def _retained_test(device, eager_replay):
+    """Graphs whose backward keeps the autograd graph (retain_graph_in_backward): their
+    activations stay, so a backward captured after one may replay before it (no false
+    refusal), and a replay of a graph captured before one marks it: a second backward
+    through that call is refused."""
+    blocks, reference = _blocks_and_reference(device, n=2)
+    sample = tuple((torch.randn(SHAPE, device=device, requires_grad=True),) for _ in blocks)
+    graphed = make_graphed_callables(tuple(blocks), sample, retain_graph_in_backward=True, eager_replay=eager_replay)
+    g = torch.Generator(device="cpu").manual_seed(8)
+    x0, x1 = (torch.randn(SHAPE, generator=g).to(device) for _ in range(2))
+    for layers in (graphed, reference):  # layer 0's backward before layer 1's: both kept
+        y0, y1 = layers[0](x0.clone().requires_grad_(True))[0], layers[1](x1.clone().requires_grad_(True))[0]
+        y0.sum().backward()
+        y1.sum().backward()
+    assert_all_equal(_grads(blocks), _grads(reference), "parameter grads")
+    y1 = graphed[1](x1.clone().requires_grad_(True))[0]
+    y1.sum().backward(retain_graph=True)
+    graphed[0](x0.clone().requires_grad_(True))[0].sum().backward()
+    with pytest.raises(RuntimeError, match=re.escape(
+            "callable 1 (GPTBlock): a second backward through this call, but since its first one callable 0 "
+            "(GPTBlock) replayed, captured while this graph's activations were not kept")):
+        y1.sum().backward()
+    graphed[1](x1.clone().requires_grad_(True))[0].sum().backward()  # a new call goes on
+
+
+@pytest.mark.parametrize("device, eager_replay", MODES)
+def test_a_second_backward_after_a_replay_that_may_have_overwritten_its_activations_is_refused(device, eager_replay):
+    _retained_test(device, eager_replay)
+
+
+def _shared_pool_test(device, eager_replay):
+    """Two calls capturing into one pool (pool= the first's graphed callable): a graph of
+    one replays only while no graph of the other waits for its backward."""
+    blocks, _ = _blocks_and_reference(device, n=2)
+    sample = lambda: (torch.randn(SHAPE, device=device, requires_grad=True),)  # noqa: E731
+    (a,) = make_graphed_callables((blocks[0],), (sample(),), eager_replay=eager_replay)
+    (b,) = make_graphed_callables((blocks[1],), (sample(),), pool=a, eager_replay=eager_replay)
+    ya = a(sample()[0])[0]
+    with pytest.raises(RuntimeError, match=re.escape(_OUT_OF_ORDER.format(
+            name="callable 0 (GPTBlock)", what="forward", other="callable 0 (GPTBlock)"))):
+        b(sample()[0])
+    ya.sum().backward()
+    b(sample()[0])[0].sum().backward()
+    a(sample()[0])[0].sum().backward()
+
+
+@pytest.mark.parametrize("device, eager_replay", MODES)
+def test_calls_sharing_a_pool_replay_while_none_of_the_other_waits(device, eager_replay):
+    _shared_pool_test(device, eager_replay)

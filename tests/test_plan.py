@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from te_graph.plan import GraphLayout, GraphPlan, TensorMeta, plan_capture
-from te_graph.schedule import plan_schedule
+from te_graph.schedule import BACKWARD, FORWARD, WGRAD, Step, plan_schedule
 
 CPU = torch.device("cpu")
 
@@ -103,6 +103,18 @@ def test_each_plan_names_the_graphs_whose_backward_may_wait_at_its_replays():
     # Order F B F B: nothing is ever waiting.
     steps = plan_schedule(1, 2, order=[1, -1, 1, -1]).steps
     assert masks(plan_capture(steps, [layer()] * 2, reuse_buffers=True, chain_grads=False)) == [(0, 0), (0, 0)]
+    # A weight-gradient pass reads what the backward left: pending until the pass. F0 B0 F1
+    # B1 W0 W1: microbatch 1 was captured while microbatch 0 waited for its pass.
+    steps = [Step(FORWARD, 0), Step(BACKWARD, 0), Step(FORWARD, 1), Step(BACKWARD, 1), Step(WGRAD, 0), Step(WGRAD, 1)]
+    assert masks(plan_capture(steps, [layer()] * 2, reuse_buffers=False, chain_grads=False)) == [(0b00, 0b00), (0b01, 0b01)]
+    # F0 B0 W0 F1 B1 W1: nothing waits at microbatch 1's captures.
+    steps = [Step(FORWARD, 0), Step(BACKWARD, 0), Step(WGRAD, 0), Step(FORWARD, 1), Step(BACKWARD, 1), Step(WGRAD, 1)]
+    assert masks(plan_capture(steps, [layer()] * 2, reuse_buffers=False, chain_grads=False)) == [(0, 0), (0, 0)]
+    # A backward that keeps the autograd graph keeps the activations: F0 F1 B1 B0 with layer
+    # 1 kept, so layer 0's forward, captured before, is the only capture it was not pending at.
+    kept = GraphLayout((meta(),), (meta(),), (), True, retains_graph=True)
+    assert masks(plan_capture(plain(2), [layer(), kept], reuse_buffers=False, chain_grads=False)) == [
+        (0b00, 0b10), (0b01, 0b01)]
 
 
 def test_a_warmed_up_stack_plans_its_chain():

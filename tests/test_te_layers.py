@@ -666,6 +666,27 @@ def test_split_weight_gradients_equal_eager_te_by_hand(setup):
 
 
 @pytest.mark.parametrize("eager_replay", [False, True], ids=["graphs", "eager-replay"])
+def test_a_forward_captured_after_a_weight_gradient_pass_waits_for_it(eager_replay):
+    """Order F B W F B W: microbatch 1's forward was captured after microbatch 0's
+    weight-gradient pass had freed what that pass reads (TE's queued inputs and grads), so
+    it is refused while the pass still waits; in the captured order the calls go on."""
+    reseed(5)
+    layer = te().Linear(H, H, params_dtype=torch.bfloat16, delay_wgrad_compute=True).cuda()
+    samples = tuple((torch.randn(S, B, H, device="cuda", dtype=torch.bfloat16, requires_grad=True),) for _ in range(2))
+    mb0, mb1 = make_graphed_callables((layer,), samples, _order=[1, -1, -1.5, 1, -1, -1.5], _num_layers_per_chunk=[1],
+                                      eager_replay=eager_replay)
+    x = torch.randn(S, B, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    mb0(x).sum().backward()
+    with pytest.raises(RuntimeError, match=re.escape(
+            "callable 0 (Linear), microbatch 1: its forward replays while callable 0 (Linear), microbatch 0 still "
+            "waits for its backward_dw(), but when this forward was captured that graph held no activations")):
+        mb1(x)
+    mb0.backward_dw()
+    mb1(x).sum().backward()
+    mb1.backward_dw()
+
+
+@pytest.mark.parametrize("eager_replay", [False, True], ids=["graphs", "eager-replay"])
 def test_backward_dw_calls_that_would_part_from_eager_te_are_refused(eager_replay):
     reseed(5)
     layer = te().Linear(H, H, params_dtype=torch.bfloat16, delay_wgrad_compute=True).cuda()
