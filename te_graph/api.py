@@ -267,8 +267,9 @@ def _wrap(spec_sets: list[list[GraphSpec]], prepared: Prepared, options: GraphOp
     def slot(variant: int, index: int) -> OrderSlot:
         plan, base = prepared.plans[variant][index], first + variant * count
         others = call_bits & ~(((1 << count) - 1) << base)
-        return OrderSlot(order, base + index, (plan.pending_at_forward << base) | others,
-                         (plan.pending_at_backward << base) | others)
+        return OrderSlot(order, base + index, first, (plan.activations_at_forward << base) | others,
+                         (plan.activations_at_backward << base) | others, (plan.queued_at_forward << base) | others,
+                         (plan.queued_at_backward << base) | others)
 
     def runner(variant: int, index: int):
         spec = spec_sets[variant][index]
@@ -287,11 +288,13 @@ def _wrap(spec_sets: list[list[GraphSpec]], prepared: Prepared, options: GraphOp
 
 def _replay_order(given: Any, pool: Any) -> ReplayOrder:
     """The ``ReplayOrder`` of the pool the graphs were captured into: a graphed callable's
-    (``pool=`` one), the process's for a pool handle, or a new one (eager replay, no pool)."""
+    (``pool=`` one), the process's for a pool handle (also the one ``pool=`` names in eager
+    replay, which captures nothing, so that it refuses what the graphs would), or a new one."""
     shared = graphed_callable_of(given) if given is not None else None
-    if shared is not None and shared.replay_order is not None:
+    if shared is not None:
         return shared.replay_order
-    return RESOURCES.replay_order(pool) if pool is not None else ReplayOrder()
+    key = pool if pool is not None else (pool_handle(given, eager_replay=False) if given is not None else None)
+    return RESOURCES.replay_order(key) if key is not None else ReplayOrder()
 
 
 def _device_type(specs: list[GraphSpec]) -> str:

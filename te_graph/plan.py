@@ -15,10 +15,10 @@ every decision. Two kinds of sharing:
 
 And the memory the graphs share through their one pool: a forward or backward captured
 while another graph's backward had already run, or its forward not yet, may have been given
-that graph's activation memory. Each plan names the graphs that may hold activations when
-its forward and its backward replay (``pending_at_forward``, ``pending_at_backward``,
-bitmasks over the graphs' indices): the ones that held them at that capture. Replay
-refuses any other order (``replay.ReplayOrder``).
+that graph's activation memory. Each plan names what the other graphs may hold when its
+forward and its backward replay (``activations_at_*``, ``queued_at_*``: bitmasks over the
+graphs' indices): what they held at that capture. Replay refuses any other order
+(``replay.ReplayOrder``).
 """
 from __future__ import annotations
 
@@ -74,10 +74,14 @@ class GraphPlan:
     grad_output_from: Optional[int] = None  # graph whose input-grad buffer is its grad output
     lends_grad_buffer: bool = False  # its input-grad buffer is another graph's grad output
     releases_buffers: bool = False  # outputs and input grads go back to the pool after its backward
-    # The other graphs whose backward was still to come when its forward, and its backward,
-    # were captured (bit i: graph i): at replay, only those may be waiting for theirs.
-    pending_at_forward: int = 0
-    pending_at_backward: int = 0
+    # What the other graphs held when its forward, and its backward, were captured (bit i:
+    # graph i): activations (from a forward to its backward; for good where the backward
+    # keeps the autograd graph) and what a backward queued for its weight-gradient pass
+    # (to backward_dw()). At replay, a graph may hold only what it held then.
+    activations_at_forward: int = 0
+    activations_at_backward: int = 0
+    queued_at_forward: int = 0
+    queued_at_backward: int = 0
 
 
 def plan_capture(
@@ -93,41 +97,45 @@ def plan_capture(
             if _chains(layouts[index], layouts[index + 1], backward_position, index):
                 lenders[index] = index + 1
     borrowed = set(lenders.values())
-    at_forward, at_backward = _pending(steps, layouts)
+    held = _held(steps, layouts, passed_on)
     return tuple(
         GraphPlan(
             donor=donors.get(index),
             grad_output_from=lenders.get(index),
             lends_grad_buffer=index in borrowed,
             releases_buffers=index in passed_on,
-            pending_at_forward=at_forward.get(index, 0),
-            pending_at_backward=at_backward.get(index, 0),
+            activations_at_forward=held.get((FORWARD, index), (0, 0))[0],
+            activations_at_backward=held.get((BACKWARD, index), (0, 0))[0],
+            queued_at_forward=held.get((FORWARD, index), (0, 0))[1],
+            queued_at_backward=held.get((BACKWARD, index), (0, 0))[1],
         )
         for index in range(len(layouts))
     )
 
 
-def _pending(steps: Sequence[Step], layouts: Sequence[GraphLayout]) -> tuple[dict[int, int], dict[int, int]]:
-    """Per graph, the graphs holding activations when its forward and its backward are
-    captured, in ``steps`` order (capture follows it), as bitmasks: from a graph's forward
-    to its backward, or to its weight-gradient pass (which reads what the backward left in
-    TE's queue), or for good where the backward keeps the autograd graph."""
+def _held(steps: Sequence[Step], layouts: Sequence[GraphLayout], passed_on: set) -> dict[tuple, tuple[int, int]]:
+    """Per (forward or backward, graph): what the other graphs held when it was captured, in
+    ``steps`` order (capture follows it), as bitmasks (activations, queued for a
+    weight-gradient pass). A backward that keeps the autograd graph keeps the activations,
+    unless the graph passes its buffers on (buffer reuse: its record lets go of them)."""
     passes = {step.flat_index for step in steps if step.kind == WGRAD}
-    pending, at_forward, at_backward = 0, {}, {}
+    activations, queued, held = 0, 0, {}
     for step in steps:
         index, layout = step.flat_index, layouts[step.flat_index]
         bit = 1 << index
         if step.kind == FORWARD:
-            at_forward[index] = pending
+            held[(FORWARD, index)] = (activations, queued)
             if layout.needs_backward:
-                pending |= bit
+                activations |= bit
         elif step.kind == BACKWARD and layout.needs_backward:
-            at_backward[index] = pending & ~bit
-            if index not in passes and not layout.retains_graph:
-                pending &= ~bit
-        elif step.kind == WGRAD and not layout.retains_graph:
-            pending &= ~bit
-    return at_forward, at_backward
+            held[(BACKWARD, index)] = (activations & ~bit, queued)
+            if not layout.retains_graph or index in passed_on:
+                activations &= ~bit
+            if index in passes:
+                queued |= bit
+        elif step.kind == WGRAD:
+            queued &= ~bit
+    return held
 
 
 def _chains(graph: GraphLayout, following: GraphLayout, backward_position: dict, index: int) -> bool:

@@ -86,24 +86,27 @@ NO_CLOCK = _NoClock()
 
 
 class ReplayOrder:
-    """The graphs of one memory pool that hold activations, as bitmasks over their
-    positions: ``pending`` (a backward, or a weight-gradient pass, still to come) and
-    ``retained`` (a backward ran and kept them: ``retain_graph_in_backward``).
+    """What the graphs of one memory pool hold, as bitmasks over their positions:
+    ``activations`` (a forward's, until its backward), ``queued`` (what a backward left for
+    its weight-gradient pass, until ``backward_dw()``) and ``retained`` (activations a
+    backward kept: ``retain_graph_in_backward``).
 
-    Each forward and backward was captured while only some of the pool's graphs held
-    activations (``plan.GraphPlan.pending_at_forward`` and ``pending_at_backward``; the
-    graphs of other ``make_graphed_callables`` calls sharing the pool never): a replay may
-    write where any other graph's activations lie. A replay while such a graph waits for
-    its backward is refused; one while such a graph keeps them for a second backward marks
-    it, and that second backward is refused. One mask test per replay; a hit is confirmed
-    against the calls still alive (a forward whose result was dropped leaves its bit set)
-    before it is refused. Graphs of another sample set of the same call are left to
-    ``Clock``."""
+    Each forward and backward was captured while the pool's other graphs held some of that
+    (``plan.GraphPlan.activations_at_*`` and ``queued_at_*``; graphs of another
+    ``make_graphed_callables`` call into the pool held nothing then): its replay may write
+    where anything held since lies. A replay while a graph holds activations or queued
+    work that it did not hold at that capture is refused; one while a graph keeps
+    activations it did not keep then marks it, and a second backward through that call is
+    refused. One or two mask tests per replay; a hit is confirmed against the calls still
+    alive (a forward whose result was dropped leaves its bit set) before it is refused.
+    Graphs of another sample set of the same call are left to ``Clock``."""
 
-    __slots__ = ("pending", "retained", "clobbered", "_runners", "_size", "_clobbered_by", "__weakref__")
+    __slots__ = ("activations", "queued", "retained", "clobbered", "_runners", "_size", "_clobbered_by",
+                 "__weakref__")
 
     def __init__(self) -> None:
-        self.pending = 0
+        self.activations = 0
+        self.queued = 0
         self.retained = 0
         self.clobbered = 0
         self._runners: dict[int, Any] = {}  # position -> weakref to its runner
@@ -120,36 +123,54 @@ class ReplayOrder:
         self._runners[position] = weakref.ref(runner)
         return 1 << position
 
-    def check(self, runner: "Runner", refused: int, what: str) -> None:
-        """Refuse ``runner``'s ``what`` if a graph in ``refused`` still waits for its backward
-        or its weight-gradient pass."""
-        pending = 0
-        for position, ref in self._runners.items():
+    def release(self, position: int) -> None:
+        """The graph at ``position`` was freed (``reset()``): it holds nothing any more."""
+        keep = ~(1 << position)
+        self.activations &= keep
+        self.queued &= keep
+        self.retained &= keep
+        self.clobbered &= keep
+        self._runners.pop(position, None)
+
+    def check(self, runner: "Runner", refused_activations: int, refused_queued: int, what: str) -> None:
+        """Refuse ``runner``'s ``what`` if a graph it must not overwrite still holds activations
+        or queued work (recounted from the calls alive)."""
+        activations = queued = 0
+        for position, ref in list(self._runners.items()):
             other = ref()
             if other is None:
+                del self._runners[position]
                 continue
             call = other._waiting()
-            if (call is not None and call.backwards == 0) or (other.has_wgrad and other.wgrad_book.waits(other)):
-                pending |= 1 << position
-        self.pending = pending
-        blocking = pending & refused
+            if call is not None and call.backwards == 0:
+                activations |= 1 << position
+            if other.has_wgrad and other.wgrad_book.waits(other):
+                queued |= 1 << position
+        self.activations, self.queued = activations, queued
+        blocking = (activations & refused_activations) or (queued & refused_queued)
         if not blocking:
             return
+        awaited = "backward" if activations & refused_activations else "backward_dw()"
         other = self._runners[(blocking & -blocking).bit_length() - 1]()
-        call = other._waiting()
-        awaited = "backward" if call is not None and call.backwards == 0 else "backward_dw()"
+        if other.call_first != runner.call_first:
+            raise RuntimeError(
+                f"{runner.name}: its {what} replays while {other.name} of another make_graphed_callables call "
+                f"into the same pool still waits for its {awaited}: the graphs of each call were captured "
+                f"while the other's held nothing, so this replay may overwrite what that {awaited} reads. Run "
+                f"that {awaited} first, or graph the two into separate pools."
+            )
+        before = "forward" if awaited == "backward" else "backward"
         raise RuntimeError(
             f"{runner.name}: its {what} replays while {other.name} still waits for its {awaited}, but when this "
-            f"{what} was captured that graph held no activations (its forward came later, or its {awaited} "
-            "earlier, in the captured order, or it was captured by another make_graphed_callables call into "
-            "the same pool): the graphs share one memory pool, so this replay may overwrite what that "
-            f"{awaited} reads. Call the graphs in the order they were captured (without order=: forwards in "
-            "the order of the callables, backwards in reverse; with order=: as it says), or run that "
-            f"{awaited} first."
+            f"{what} was captured that graph did not hold what its {awaited} reads (its {before} came later, or "
+            f"its {awaited} earlier, in the captured order): the graphs share one memory pool, so this replay "
+            f"may overwrite it. Call the graphs in the order they were captured (without order=: forwards in the "
+            f"order of the callables, backwards in reverse; with order=: as it says), or run that {awaited} first."
         )
 
-    def clobber(self, runner: "Runner", hit: int) -> None:
-        """``runner`` replays where the graphs in ``hit`` keep activations for another backward."""
+    def mark(self, runner: "Runner", refused: int) -> None:
+        """Right before ``runner`` replays: the graphs keeping activations it may overwrite."""
+        hit = self.retained & refused & ~self.clobbered
         self.clobbered |= hit
         while hit:
             low = hit & -hit
@@ -169,21 +190,26 @@ class ReplayOrder:
             )
 
     def forget(self, bit: int) -> None:
-        """A new call of the graph at ``bit``: what it kept is its own replay's now."""
+        """A new call of the graph at ``bit`` replays: what it kept is overwritten by its own
+        replay (the old call's backward is refused by its generation)."""
         self.retained &= ~bit
         self.clobbered &= ~bit
 
 
 @dataclass(frozen=True)
 class OrderSlot:
-    """Where one runner sits in its pool's ``ReplayOrder``: its position and the graphs
-    that may hold activations at its forward and backward replays (the plan's, shifted to
-    the pool's positions, and the graphs of the call's other sample sets)."""
+    """Where one runner sits in its pool's ``ReplayOrder``: its position, the first
+    position of its call, and what the others may hold at its forward and backward replays
+    (the plan's, shifted to the pool's positions, and everything of the call's other
+    sample sets, which ``Clock`` covers)."""
 
     order: ReplayOrder
     position: int
-    allowed_at_forward: int
-    allowed_at_backward: int
+    call_first: int
+    activations_at_forward: int
+    activations_at_backward: int
+    queued_at_forward: int
+    queued_at_backward: int
 
 
 class Invocation:
@@ -243,13 +269,15 @@ class Runner:
         self.clock = clock
         self.generation = 0
         self._waiting: Any = _NOTHING  # weakref to the last call whose backward may still come
-        # The graphs of its pool whose activations its forward or its backward replay may
-        # overwrite (``ReplayOrder``): those that held none at that capture.
-        slot = slot if slot is not None else OrderSlot(ReplayOrder(), 0, -1, -1)
-        self.order = slot.order
-        self.bit = self.order.join(slot.position, self)
-        self.refused_at_forward = ~(slot.allowed_at_forward | self.bit)
-        self.refused_at_backward = ~(slot.allowed_at_backward | self.bit)
+        # What of its pool's graphs its forward or its backward replay may overwrite
+        # (``ReplayOrder``): what they did not hold at that capture.
+        slot = slot if slot is not None else OrderSlot(ReplayOrder(), 0, 0, -1, -1, -1, -1)
+        self.order, self.position, self.call_first = slot.order, slot.position, slot.call_first
+        bit = self.bit = self.order.join(slot.position, self)
+        self.refused_at_forward = ~(slot.activations_at_forward | bit)
+        self.refused_at_backward = ~(slot.activations_at_backward | bit)
+        self.refused_queued_at_forward = ~(slot.queued_at_forward | bit)
+        self.refused_queued_at_backward = ~(slot.queued_at_backward | bit)
 
     def backward_dw(self) -> None:
         """TE's ``backward_dw()``: the weight-gradient pass of this graph's last backward
@@ -258,7 +286,7 @@ class Runner:
             self.wgrad_book.check_take(self, self.clock.tick)
             self._run_wgrad()
             self.wgrad_book.taken(self)
-            self.order.pending &= ~self.bit
+            self.order.queued &= ~self.bit
 
     def _run_wgrad(self) -> None:
         raise NotImplementedError
@@ -278,12 +306,8 @@ class Runner:
             if self.has_wgrad:
                 check_still_delayed(self.name, self.wgrad)
         order = self.order
-        if order.pending & self.refused_at_forward:
-            order.check(self, self.refused_at_forward, "forward")
-        if order.retained:
-            if order.retained & self.refused_at_forward:
-                order.clobber(self, order.retained & self.refused_at_forward)
-            order.forget(self.bit)
+        if order.activations & self.refused_at_forward or order.queued & self.refused_queued_at_forward:
+            order.check(self, self.refused_at_forward, self.refused_queued_at_forward, "forward")
 
     def _take_outputs(self, outputs: tuple[torch.Tensor, ...], fed: tuple) -> None:
         """Which outputs take no gradient, and whether several do (a backward where one of
@@ -296,8 +320,25 @@ class Runner:
     def _issued(self, invocation: Invocation) -> Invocation:
         """Remember a call whose backward may come (checked by the next forward)."""
         self._waiting = weakref.ref(invocation)
-        self.order.pending |= self.bit
+        self.order.activations |= self.bit
         return invocation
+
+    def _forget_order(self) -> None:
+        """At ``reset()``: the graph holds nothing any more, and no call of it waits."""
+        self.order.release(self.position)
+        self._waiting = _NOTHING
+
+    def _replaying_forward(self) -> None:
+        """Right before the forward replays (every refusal passed): the calls keeping
+        activations it may overwrite are marked, and its own kept ones are its replay's."""
+        order = self.order
+        if order.retained:
+            order.mark(self, self.refused_at_forward)
+            order.forget(self.bit)
+
+    def _replaying_backward(self) -> None:
+        if self.order.retained:
+            self.order.mark(self, self.refused_at_backward)
 
     def _before_backward(self, invocation: Invocation, grads: tuple) -> None:
         # The refusal first, so that a caller who catches it and retries gets it again.
@@ -318,21 +359,19 @@ class Runner:
         if self.has_wgrad:
             self.wgrad_book.check_backward(self)
         order = self.order
-        if order.pending & self.refused_at_backward:
-            order.check(self, self.refused_at_backward, "backward")
-        if order.retained:
-            if invocation.backwards and invocation.generation == self.generation:
-                order.check_kept(self, self.bit)
-            if order.retained & self.refused_at_backward:
-                order.clobber(self, order.retained & self.refused_at_backward)
+        if order.activations & self.refused_at_backward or order.queued & self.refused_queued_at_backward:
+            order.check(self, self.refused_at_backward, self.refused_queued_at_backward, "backward")
+        if order.retained and invocation.backwards and invocation.generation == self.generation:
+            order.check_kept(self, self.bit)
         self._check_fresh(invocation)
 
     def _after_backward(self) -> None:
-        if not self.has_wgrad:  # else its weight-gradient pass still reads them (backward_dw)
-            self.order.pending &= ~self.bit
+        order = self.order
+        order.activations &= ~self.bit
         if self.retains_graph:
-            self.order.retained |= self.bit
-        if self.has_wgrad:
+            order.retained |= self.bit
+        if self.has_wgrad:  # its weight-gradient pass reads what it queued (backward_dw)
+            order.queued |= self.bit
             self.wgrad_book.backward_done(self, self.clock.tick)
 
     def _copy_inputs(self, inputs: tuple[torch.Tensor, ...]) -> None:
@@ -438,6 +477,7 @@ class GraphRunner(Runner):
         record = graph.rng.record() if with_backward else ()
         tick = self.clock.forward(self.variant, self.shape)
         self.handout.before_replay()
+        self._replaying_forward()
         graph.fp8.before_replay()
         graph.fwd_graph.replay()
         graph.fp8.after_forward()
@@ -473,6 +513,7 @@ class GraphRunner(Runner):
         if invocation.record:
             graph.rng.restore(invocation.record)
         moved = graph.sync_backward.before_replay(self.name)
+        self._replaying_backward()
         graph.bwd_graph.replay()
         if moved:
             graph.sync_backward.after_replay(moved)
@@ -496,6 +537,7 @@ class GraphRunner(Runner):
 
     def reset(self) -> None:
         """Free the graphs and drop the static buffers (their pool memory goes back)."""
+        self._forget_order()
         for captured in (self.graph.fwd_graph, self.graph.bwd_graph):
             if captured is not None and hasattr(captured, "reset"):
                 captured.reset()
@@ -548,6 +590,7 @@ class EagerRunner(Runner):
         if is_first_microbatch is not None and self.takes_first_microbatch:
             kwargs["is_first_microbatch"] = is_first_microbatch  # TE's weight cache, eagerly
         routed = self.routed is not None and through_autograd
+        self._replaying_forward()
         with torch.enable_grad() if spec.needs_backward and with_backward else torch.no_grad():
             with self.routed.installed() if routed else contextlib.nullcontext():
                 outputs = self.output.tensors_of(spec.call(*args, **kwargs))
@@ -560,6 +603,7 @@ class EagerRunner(Runner):
 
     def backward(self, invocation: Invocation, grads: tuple) -> tuple:
         self._before_backward(invocation, grads)
+        self._replaying_backward()
         pairs = [(o, g) for o, g in zip(invocation.outputs, grads) if o.requires_grad]
         outputs = [o for o, _ in pairs]
         grads_ = [torch.zeros_like(o) if g is None else g for o, g in pairs]
@@ -587,6 +631,7 @@ class EagerRunner(Runner):
             run_backward_dw(module)  # the module's own: its queue holds this backward's work
 
     def reset(self) -> None:
+        self._forget_order()
         self.spec = None
         self.static_inputs = self.input_slots = ()
         self.output = None

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import rng
+import te_graph
 from te_graph import make_graphed_callables
 from tests.graph_helpers import assert_all_equal, clone_modules, make_blocks, run_layers
 from examples.gpt import causal_mask
@@ -228,9 +229,8 @@ def test_torch_call_form_with_positional_pool():
 # -- the replay order: graphs of one call share one pool --------------------------------------
 _OUT_OF_ORDER = (
     "{name}: its {what} replays while {other} still waits for its backward, but when this {what} was "
-    "captured that graph held no activations (its forward came later, or its backward earlier, in the "
-    "captured order, or it was captured by another make_graphed_callables call into the same pool): the "
-    "graphs share one memory pool, so this replay may overwrite what that backward reads.")
+    "captured that graph did not hold what its backward reads (its forward came later, or its backward "
+    "earlier, in the captured order): the graphs share one memory pool, so this replay may overwrite it.")
 
 
 def _blocks_and_reference(device, n=3):
@@ -343,6 +343,10 @@ def _retained_test(device, eager_replay):
             "(GPTBlock) replayed, captured while this graph's activations were not kept")):
         y1.sum().backward()
     graphed[1](x1.clone().requires_grad_(True))[0].sum().backward()  # a new call goes on
+    # A freed graph holds nothing: its waiting call does not stop the others.
+    y1 = graphed[1](x1.clone().requires_grad_(True))[0]
+    te_graph.reset(graphed[1])
+    graphed[0](x0.clone().requires_grad_(True))[0].sum().backward()
 
 
 @pytest.mark.parametrize("device, eager_replay", MODES)
@@ -358,12 +362,18 @@ def _shared_pool_test(device, eager_replay):
     (a,) = make_graphed_callables((blocks[0],), (sample(),), eager_replay=eager_replay)
     (b,) = make_graphed_callables((blocks[1],), (sample(),), pool=a, eager_replay=eager_replay)
     ya = a(sample()[0])[0]
-    with pytest.raises(RuntimeError, match=re.escape(_OUT_OF_ORDER.format(
-            name="callable 0 (GPTBlock)", what="forward", other="callable 0 (GPTBlock)"))):
+    with pytest.raises(RuntimeError, match=re.escape(
+            "callable 0 (GPTBlock): its forward replays while callable 0 (GPTBlock) of another "
+            "make_graphed_callables call into the same pool still waits for its backward: the graphs of each "
+            "call were captured while the other's held nothing")):
         b(sample()[0])
     ya.sum().backward()
     b(sample()[0])[0].sum().backward()
     a(sample()[0])[0].sum().backward()
+    yb = b(sample()[0])[0]  # and the other way round
+    with pytest.raises(RuntimeError, match=re.escape("of another make_graphed_callables call into the same pool")):
+        a(sample()[0])
+    yb.sum().backward()
 
 
 @pytest.mark.parametrize("device, eager_replay", MODES)

@@ -82,39 +82,51 @@ def test_buffer_reuse_takes_over_a_finished_microbatch_and_releases_its_buffers(
     assert sharing(plan_capture(steps, [layer(), other], reuse_buffers=True, chain_grads=False)) == (GraphPlan(), GraphPlan())
 
 
-def masks(plans) -> list:
-    return [(p.pending_at_forward, p.pending_at_backward) for p in plans]
+def held(plans) -> list:
+    """Per graph: (activations at its forward, at its backward, queued at its forward, at its backward)."""
+    return [(p.activations_at_forward, p.activations_at_backward, p.queued_at_forward, p.queued_at_backward)
+            for p in plans]
 
 
-def test_each_plan_names_the_graphs_whose_backward_may_wait_at_its_replays():
-    """The graphs pending (forward captured, backward not yet) at each capture, as bitmasks:
-    all that a replay may find waiting (replay.ReplayOrder refuses the rest)."""
+def test_each_plan_names_what_the_other_graphs_held_at_its_captures():
+    """What the other graphs held (activations, work queued for a weight-gradient pass) when
+    each forward and backward was captured, as bitmasks: all a replay may find held
+    (replay.ReplayOrder refuses the rest)."""
     # Plain: F0 F1 F2 B2 B1 B0.
-    assert masks(plan_capture(plain(3), [layer()] * 3, reuse_buffers=False, chain_grads=True)) == [
-        (0b000, 0b000), (0b001, 0b001), (0b011, 0b011)]
-    # A forward-only graph is never pending: F0 F1 B0 (graph 1 has no backward).
-    assert masks(plan_capture(plain(2), [layer(), layer(backward=False)], reuse_buffers=False, chain_grads=False)) == [
-        (0b00, 0b00), (0b01, 0b00)]
+    assert held(plan_capture(plain(3), [layer()] * 3, reuse_buffers=False, chain_grads=True)) == [
+        (0b000, 0b000, 0, 0), (0b001, 0b001, 0, 0), (0b011, 0b011, 0, 0)]
+    # A forward-only graph holds nothing: F0 F1 B0 (graph 1 has no backward).
+    assert held(plan_capture(plain(2), [layer(), layer(backward=False)], reuse_buffers=False, chain_grads=False)) == [
+        (0b00, 0b00, 0, 0), (0b01, 0, 0, 0)]
     # One layer, 2 microbatches, order F F B B: microbatch 1's forward was captured while
-    # microbatch 0 waited; microbatch 1's backward after microbatch 0's had run.
+    # microbatch 0 held activations; microbatch 1's backward after microbatch 0's had run.
     steps = plan_schedule(1, 2, order=[1, 1, -1, -1]).steps
-    assert masks(plan_capture(steps, [layer()] * 2, reuse_buffers=False, chain_grads=False)) == [
-        (0b00, 0b10), (0b01, 0b00)]
-    # Order F B F B: nothing is ever waiting.
+    assert held(plan_capture(steps, [layer()] * 2, reuse_buffers=False, chain_grads=False)) == [
+        (0b00, 0b10, 0, 0), (0b01, 0b00, 0, 0)]
+    # Order F B F B: nothing is ever held.
     steps = plan_schedule(1, 2, order=[1, -1, 1, -1]).steps
-    assert masks(plan_capture(steps, [layer()] * 2, reuse_buffers=True, chain_grads=False)) == [(0, 0), (0, 0)]
-    # A weight-gradient pass reads what the backward left: pending until the pass. F0 B0 F1
-    # B1 W0 W1: microbatch 1 was captured while microbatch 0 waited for its pass.
+    assert held(plan_capture(steps, [layer()] * 2, reuse_buffers=True, chain_grads=False)) == [(0, 0, 0, 0)] * 2
+    # A backward queues work for its weight-gradient pass, held until the pass: F0 B0 F1 B1
+    # W0 W1: microbatch 1 was captured while microbatch 0's work was queued (not its
+    # activations).
     steps = [Step(FORWARD, 0), Step(BACKWARD, 0), Step(FORWARD, 1), Step(BACKWARD, 1), Step(WGRAD, 0), Step(WGRAD, 1)]
-    assert masks(plan_capture(steps, [layer()] * 2, reuse_buffers=False, chain_grads=False)) == [(0b00, 0b00), (0b01, 0b01)]
-    # F0 B0 W0 F1 B1 W1: nothing waits at microbatch 1's captures.
-    steps = [Step(FORWARD, 0), Step(BACKWARD, 0), Step(WGRAD, 0), Step(FORWARD, 1), Step(BACKWARD, 1), Step(WGRAD, 1)]
-    assert masks(plan_capture(steps, [layer()] * 2, reuse_buffers=False, chain_grads=False)) == [(0, 0), (0, 0)]
+    assert held(plan_capture(steps, [layer()] * 2, reuse_buffers=False, chain_grads=False)) == [
+        (0, 0, 0, 0), (0, 0, 0b01, 0b01)]
+    # F0 F1 B0 W0 B1 W1: microbatch 1's forward saw microbatch 0's activations, its backward
+    # neither.
+    steps = [Step(FORWARD, 0), Step(FORWARD, 1), Step(BACKWARD, 0), Step(WGRAD, 0), Step(BACKWARD, 1), Step(WGRAD, 1)]
+    assert held(plan_capture(steps, [layer()] * 2, reuse_buffers=False, chain_grads=False)) == [
+        (0, 0b10, 0, 0), (0b01, 0, 0, 0)]
     # A backward that keeps the autograd graph keeps the activations: F0 F1 B1 B0 with layer
-    # 1 kept, so layer 0's forward, captured before, is the only capture it was not pending at.
+    # 1 kept, so only layer 0's forward, captured before, did not see them.
     kept = GraphLayout((meta(),), (meta(),), (), True, retains_graph=True)
-    assert masks(plan_capture(plain(2), [layer(), kept], reuse_buffers=False, chain_grads=False)) == [
-        (0b00, 0b10), (0b01, 0b01)]
+    assert held(plan_capture(plain(2), [layer(), kept], reuse_buffers=False, chain_grads=False)) == [
+        (0b00, 0b10, 0, 0), (0b01, 0b01, 0, 0)]
+    # ... unless it passes its buffers on (buffer reuse drops what it kept): F B F B.
+    steps = plan_schedule(1, 2, order=[1, -1, 1, -1]).steps
+    assert held(plan_capture(steps, [kept, kept], reuse_buffers=True, chain_grads=False)) == [(0, 0, 0, 0), (0, 0, 0, 0)]
+    assert held(plan_capture(steps, [kept, kept], reuse_buffers=False, chain_grads=False)) == [
+        (0, 0, 0, 0), (0b01, 0b01, 0, 0)]
 
 
 def test_a_warmed_up_stack_plans_its_chain():

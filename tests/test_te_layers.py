@@ -679,7 +679,8 @@ def test_a_forward_captured_after_a_weight_gradient_pass_waits_for_it(eager_repl
     mb0(x).sum().backward()
     with pytest.raises(RuntimeError, match=re.escape(
             "callable 0 (Linear), microbatch 1: its forward replays while callable 0 (Linear), microbatch 0 still "
-            "waits for its backward_dw(), but when this forward was captured that graph held no activations")):
+            "waits for its backward_dw(), but when this forward was captured that graph did not hold what its "
+            "backward_dw() reads")):
         mb1(x)
     mb0.backward_dw()
     mb1(x).sum().backward()
@@ -691,13 +692,16 @@ def test_backward_dw_calls_that_would_part_from_eager_te_are_refused(eager_repla
     reseed(5)
     layer = te().Linear(H, H, params_dtype=torch.bfloat16, delay_wgrad_compute=True).cuda()
     samples = tuple((torch.randn(S, B, H, device="cuda", dtype=torch.bfloat16, requires_grad=True),) for _ in range(2))
-    mb0, mb1 = make_graphed_callables((layer,), samples, _order=[1, 1, -1, -1.5, -1, -1.5], _num_layers_per_chunk=[1],
+    # Both backwards before the passes: with F F B W B W, microbatch 1's backward, captured
+    # after microbatch 0's pass had run, would be refused while that pass waits (replay.ReplayOrder).
+    mb0, mb1 = make_graphed_callables((layer,), samples, _order=[1, 1, -1, -1, -1.5, -1.5], _num_layers_per_chunk=[1],
                                       eager_replay=eager_replay)
     x = torch.randn(S, B, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     with pytest.raises(RuntimeError, match=re.escape("backward_dw() without a backward waiting for it")):
         mb0.backward_dw()
-    mb0(x).sum().backward()
-    mb1(x).sum().backward()
+    y0, y1 = mb0(x), mb1(x)
+    y0.sum().backward()
+    y1.sum().backward()
     with pytest.raises(RuntimeError, match=re.escape("backward_dw() out of order: the backward of callable 0 (Linear), microbatch 0 ran before this one's")):
         mb1.backward_dw()
     with pytest.raises(RuntimeError, match=re.escape("forward while the backward_dw() of its last backward has not run")):
