@@ -33,7 +33,8 @@ from .module_state import shares_memory
 from .records import CapturedGraph, GraphSpec, WarmupRecord
 from .wgrad import DelayedWgrad, WgradBook, check_grads_as_captured, check_still_delayed, run_backward_dw
 
-__all__ = ["ReplayOptions", "Clock", "NO_CLOCK", "ReplayOrder", "OrderSlot", "Runner", "GraphRunner", "EagerRunner", "run", "shapes_text"]
+__all__ = ["ReplayOptions", "Clock", "NO_CLOCK", "ReplayOrder", "OrderSlot", "Runner", "GraphRunner", "EagerRunner",
+           "run", "shapes_text"]
 
 _DOUBLE_BACKWARD = (
     "{name}: double backward (create_graph=True, or torch.autograd.grad(..., "
