@@ -142,8 +142,7 @@ class ReplayOrder:
             if other is None:
                 del self._runners[position]
                 continue
-            call = other._waiting()
-            if call is not None and call.backwards == 0:
+            if other.awaits_backward():
                 activations |= 1 << position
             if other.has_wgrad and other.wgrad_book.waits(other):
                 queued |= 1 << position
@@ -292,9 +291,13 @@ class Runner:
     def _run_wgrad(self) -> None:
         raise NotImplementedError
 
-    def _before_forward(self) -> None:
+    def awaits_backward(self) -> bool:
+        """Whether the last call whose backward may still come is alive and has had none."""
         waiting = self._waiting()
-        if waiting is not None and waiting.backwards == 0:
+        return waiting is not None and waiting.backwards == 0
+
+    def _before_forward(self) -> None:
+        if self.awaits_backward():
             raise RuntimeError(
                 f"{self.name}: called again while the backward of its previous call has not run; "
                 "a graph reuses its activations at every call, so that backward would read this "

@@ -445,9 +445,9 @@ class FP8Replay(FP8Checks):
         # of their forward scales and amax history when the checkpointed forward runs, put it
         # in place for the recompute and the live one back after (TE 2.20 base.py,
         # prepare_forward and end_forward): the recompute quantizes as the forward did and
-        # leaves the history alone. That is Python a replay does not run; recompute_scales
-        # does it around the replay (for a checkpoint around the graphed call, Megatron's
-        # full recompute: a checkpoint inside the graphed module was captured with it).
+        # leaves the history alone. That is Python a replay does not run; before_replay and
+        # after_forward do it around the replay (for a checkpoint around the graphed call,
+        # Megatron's full recompute: a checkpoint inside the graphed module was captured with it).
         self.recompute_metas = [m.fp8_meta for m in modules if not isinstance(m, BasicOperation)
                                 and "scaling_fwd" in getattr(m, "fp8_meta", {})]
         # Only delayed scaling (built in, or asked for by a custom recipe) keeps amaxes in TE's
