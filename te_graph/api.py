@@ -250,7 +250,8 @@ def _wrap(spec_sets: list[list[GraphSpec]], prepared: Prepared, options: GraphOp
     clock = Clock() if len(spec_sets) > 1 else NO_CLOCK
     # What each graph froze, checked at every call (``frozen``).
     frozen = fingerprints([s.name for s in spec_sets[0]], [s.func for s in spec_sets[0]],
-                          _device_type(spec_sets[0]), prepared.runtime_attributes, is_te_module)
+                          [s.routed for s in spec_sets[0]], _device_type(spec_sets[0]), prepared.runtime_attributes,
+                          is_te_module)
     # The weight-gradient passes waiting, over every graph of the call (``wgrad``).
     has_wgrad = any(w.wgrad is not None for warmups in prepared.warmups for w in warmups)
     book = WgradBook(ordered=options.order is not None) if has_wgrad else None

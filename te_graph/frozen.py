@@ -106,13 +106,17 @@ class _Slot:
 class FrozenModule:
     """The fingerprint of one graphed module: what its graphs read of it."""
 
-    def __init__(self, module: torch.nn.Module, runtime: frozenset, skip_attributes: Any):
+    def __init__(self, module: torch.nn.Module, runtime: frozenset, skip_attributes: Any, routed: bool = False):
+        """``routed``: the module's class replays the graphs from its own ``__call__``, before
+        ``nn.Module.__call__`` would run the module's hooks (megatron-core's layers), so hooks
+        on the module itself never run at replay either."""
         self.module = module
         slots: list[_Slot] = []
         values: list[Any] = []
         hook_tables: list[dict] = []
         hook_names: list[str] = []
         hook_kinds: list[str] = []
+        hook_reasons: list[str] = []
         params: list[tuple[str, torch.Tensor]] = []
         main_grads: list[tuple[str, torch.Tensor]] = []
         seen: set[int] = set()
@@ -134,11 +138,14 @@ class FrozenModule:
                     if type(value) in _WATCHED and key not in MODULE_INTERNALS and key != "training" and (id(sub), key) not in runtime:
                         slots.append(_Slot(attributes, key, f"attribute {key!r} of {where}"))
                         values.append(value)
-            if prefix:  # the graphed module's own hooks run around the graphed forward
+            # The graphed module's own hooks run around the graphed forward, unless its class
+            # routes the call to the graphs before nn.Module.__call__ runs them.
+            if prefix or routed:
                 for kind in _HOOK_KINDS:
                     hook_tables.append(getattr(sub, kind))
                     hook_names.append(f"{kind[1:].replace('_', ' ')} on {where}")
                     hook_kinds.append(kind)
+                    hook_reasons.append(_SUBMODULE_HOOKS if prefix else _ROUTED_HOOKS)
             fused = getattr(sub, "fuse_wgrad_accumulation", False) is True
             for name, p in compat.parameter_slots(sub).items():
                 if p is not None:
@@ -154,6 +161,7 @@ class FrozenModule:
             hook_tables.append(table)
             hook_names.append(f"global module {kind} (torch.nn.modules.module.register_module_{kind[:-1]})")
             hook_kinds.append(kind)
+            hook_reasons.append(_SUBMODULE_HOOKS)
         self._slots = tuple(slots)
         self._tables = tuple(s.table for s in slots)
         self._keys = tuple(s.key for s in slots)
@@ -161,6 +169,7 @@ class FrozenModule:
         self._hook_tables = tuple(hook_tables)
         self._hook_names = tuple(hook_names)
         self._hook_kinds = tuple(hook_kinds)
+        self._hook_reasons = tuple(hook_reasons)
         self._hook_sizes = tuple(map(len, hook_tables))
         self._hook_keys = tuple(map(tuple, hook_tables))  # handle ids: a new hook has a new one
         self._handles_made = _handles_made()
@@ -244,8 +253,8 @@ class FrozenModule:
         made = _handles_made()
         sizes = tuple(map(len, self._hook_tables))
         megatron_hooks = megatron.hooks_run_by_hand(self.module)
-        for name, kind, table, captured in zip(self._hook_names, self._hook_kinds, self._hook_tables,
-                                               self._hooks_at_capture):
+        for name, kind, reason, table, captured in zip(self._hook_names, self._hook_kinds, self._hook_reasons,
+                                                       self._hook_tables, self._hooks_at_capture):
             now = tuple(table.values())
             if _same(now, captured):
                 continue
@@ -254,9 +263,7 @@ class FrozenModule:
                                                       _leaving_out(captured, megatron_hooks)):
                 continue
             counts = f"{len(captured)} -> {len(now)}" + (", other hooks" if len(now) == len(captured) else "")
-            found.append(f"{name} changed ({counts}); hooks on a submodule run only while a graph is "
-                         "captured, never at replay (hooks on the graphed module itself run around the "
-                         "graphed forward)")
+            found.append(f"{name} changed ({counts}); {reason}")
         if not found:
             self._values = tuple(values)
             self._hook_sizes = sizes
@@ -267,6 +274,11 @@ class FrozenModule:
 
 
 _GONE = object()
+_SUBMODULE_HOOKS = ("hooks on a submodule run only while a graph is captured, never at replay (hooks on the "
+                    "graphed module itself run around the graphed forward)")
+_ROUTED_HOOKS = ("megatron-core's __call__ replays this layer's graphs without nn.Module.__call__, so hooks on the "
+                 "layer itself never run at replay, while an eager run would run them; remove the hook (a hook "
+                 "that must run belongs outside the graphed layer, on the module that calls it)")
 
 
 def _same(a: tuple, b: tuple) -> bool:
@@ -303,17 +315,18 @@ class Fingerprint:
             raise RuntimeError(f"{self.name}: since graphing, {'; '.join(found)}. {_REGRAPH}")
 
 
-def fingerprints(names: Iterable[str], funcs: Iterable[Any], device_type: str, runtime: frozenset,
-                 skip_attributes: Any) -> list[Fingerprint]:
-    """One fingerprint per graphed callable, taken when graphing has ended."""
+def fingerprints(names: Iterable[str], funcs: Iterable[Any], routed: Iterable[bool], device_type: str,
+                 runtime: frozenset, skip_attributes: Any) -> list[Fingerprint]:
+    """One fingerprint per graphed callable, taken when graphing has ended (``routed``: per
+    callable, whether its module's class replays the graphs from its own ``__call__``)."""
     settings = Settings(device_type)
     modules: dict[int, FrozenModule] = {}
     result = []
-    for name, func in zip(names, funcs):
+    for name, func, by_route in zip(names, funcs, routed):
         frozen = None
         if isinstance(func, torch.nn.Module):
             frozen = modules.get(id(func))
             if frozen is None:
-                frozen = modules[id(func)] = FrozenModule(func, runtime, skip_attributes)
+                frozen = modules[id(func)] = FrozenModule(func, runtime, skip_attributes, by_route)
         result.append(Fingerprint(name, settings, frozen))
     return result

@@ -39,8 +39,10 @@ class GraphedCallable:
         self._warned = False
         self._reset = False
         # Transformer Engine's per-call keyword, taken off the calls of a callable holding TE
-        # modules (as TE's graphed callables do) unless it was a captured keyword.
-        self._pops_first_microbatch = spec.has_te and "is_first_microbatch" not in spec.layout.kw_keys
+        # modules (as TE's graphed callables do) unless it was a captured keyword; and off a
+        # megatron-core layer's, whose replay passes it to every graph (``routed``; megatron-core
+        # 0.19 ``_get_te_cuda_graph_replay_args``), TE modules in it or not (``transformer_impl="local"``).
+        self._pops_first_microbatch = (spec.has_te or spec.routed) and "is_first_microbatch" not in spec.layout.kw_keys
         self.pool = pool
         self.replay_order = replay_order  # its pool's replay.ReplayOrder, for calls that share the pool
         self.__name__ = spec.name

@@ -47,6 +47,9 @@ class GraphSpec:
     # gradients always go through autograd (``grads``), so that every use's gradient is
     # summed before it reaches .grad, as eager autograd sums them.
     tied_params: frozenset = frozenset()
+    # A module whose class routes the call in its own ``__call__`` (megatron-core's layers,
+    # ``_entry``): its replays come from there, without ``nn.Module.__call__`` and its hooks.
+    routed: bool = False
 
     @property
     def grad_inputs(self) -> tuple[torch.Tensor, ...]:
@@ -77,7 +80,8 @@ def make_spec(
     """
     call = _entry(func)
     optional = none_default_keywords(call)
-    if isinstance(func, torch.nn.Module) and call != func.forward:  # routed: the forward's keywords too
+    routed = isinstance(func, torch.nn.Module) and call != func.forward
+    if routed:  # the forward's keywords too
         optional |= none_default_keywords(func.forward)
     layout = InputLayout(name, args, kwargs, optional)
     params: tuple = ()
@@ -91,7 +95,7 @@ def make_spec(
     tied = frozenset(i for i, p in enumerate(params) if id(p) in shared)
     return GraphSpec(
         name, owner, func, call, layout, static, params, training, needs_backward, retain_graph, hooks,
-        fp8, te_modules_in(func), tied,
+        fp8, te_modules_in(func), tied, routed,
     )
 
 

@@ -109,6 +109,29 @@ def test_hooks_on_submodules_are_refused_and_hooks_on_the_module_run():
                 "run around the graphed forward). " + _REGRAPH)
 
 
+def test_hooks_on_a_module_whose_class_replays_from_its_own_call_are_refused():
+    """megatron-core's layers replay the graphs from their own ``__call__``, before
+    ``nn.Module.__call__`` runs the layer's hooks (``routed``; the Megatron GPU tests graph such
+    layers through the helper): there hooks on the module itself are refused too, while DDP's
+    forward pre-hooks the helper runs by hand still pass."""
+    from te_graph.frozen import FrozenModule  # noqa: PLC0415
+
+    m = Net()
+    frozen = FrozenModule(m, frozenset(), lambda module: False, routed=True)
+    plain = FrozenModule(m, frozenset(), lambda module: False)  # a module whose hooks run around the call
+    m.cuda_graph_manual_hooks = [(_make_forward_pre_hook(), (m.lin1,))]
+    handle = m.register_forward_pre_hook(_make_forward_pre_hook())  # DDP's, on the layer itself
+    assert not frozen.matches() and frozen.changes() == [] and frozen.matches()
+    handle.remove()
+    m.register_forward_hook(lambda *_: None)
+    assert not frozen.matches()
+    assert frozen.changes() == [
+        "forward hooks on the module changed (0 -> 1); megatron-core's __call__ replays this layer's graphs without "
+        "nn.Module.__call__, so hooks on the layer itself never run at replay, while an eager run would run them; "
+        "remove the hook (a hook that must run belongs outside the graphed layer, on the module that calls it)"]
+    assert plain.matches() and plain.changes() == []
+
+
 def _make_forward_pre_hook():
     """megatron-core DDP's ``_make_forward_pre_hook``: one closure per call, one code."""
     def hook(module, *unused):
