@@ -18,7 +18,7 @@ rank before its suffix, ``run.rank1.pt``)::
         --graph-modules attn,moe_router,moe_preprocess --out /tmp/run.pt
 
 What it does, in Megatron's order: seed (TE's RNG tracker, before the model is built),
-build GPTModel with the TE layer spec (bf16, one ``main_grad`` buffer through DDP), train
+build GPTModel with the TE layer spec (or ``--spec local``, megatron-core's own modules) (bf16, one ``main_grad`` buffer through DDP), train
 ``--warmup-steps`` steps eagerly, make the graphs with the helper, train on. Each step:
 ``zero_grad_buffer()``, Megatron's schedule over ``--microbatches``, then a plain SGD step on
 ``main_grad`` (in place: the graphs read the parameters by address), or with ``--optimizer
@@ -27,6 +27,13 @@ latter, DDP's forward pre-hooks are turned off around capture and the helper run
 hand before each replay, as Megatron-LM's ``training.py`` does. The output layer is
 Megatron's ``ColumnParallelLinear``, whose fused weight-gradient kernel needs NVIDIA apex:
 it is built with fusion off (``gradient_accumulation_fusion`` stays on for every TE layer).
+
+``--tensor-parallel N`` (with ``--sequence-parallel 1``) and ``--pipeline-parallel N`` split
+the model over torchrun's ranks (the ranks left over are data parallel); ``--rope 1`` uses
+rotary position embeddings; ``--spec local`` builds megatron-core's own modules instead of
+TE's (with ``--fusion 0``)::
+
+    torchrun --nproc-per-node 2 -m examples.megatron_gpt --pipeline-parallel 2 --out /tmp/run.pt
 
 ``--experts N`` makes every MLP megatron-core's ``MoELayer`` (TE grouped GEMM, alltoall
 dispatcher; dropless, or drop-and-pad with ``--capacity``); ``--graph-modules`` is the
@@ -69,6 +76,16 @@ class RunConfig:
     fp8_amax_history: int = 1  # delayed scaling: amax history length and how the scale reads it
     fp8_amax_algo: str = "most_recent"  # or "max"
     fusion: bool = True  # gradient_accumulation_fusion (TE's fuse_wgrad_accumulation)
+    # The layer spec: "te" (Transformer Engine's modules) or "local" (megatron-core's own,
+    # transformer_impl="local": no TE module in the layers; its fused weight-gradient kernels
+    # are NVIDIA apex's, so with fusion off)
+    spec: str = "te"
+    rope: bool = False  # rotary position embeddings (position_embedding_type="rope"), else learned ones
+    # Model parallelism over torchrun's ranks: tensor parallel (with sequence parallel where
+    # set) and pipeline parallel; the ranks left over are data parallel.
+    tensor_parallel: int = 1
+    sequence_parallel: bool = False
+    pipeline_parallel: int = 1
     recompute: str = "none"  # "none", "full" (whole layers, one at a time) or "selective" (core attention)
     optimizer: str = "sgd"  # "sgd": plain SGD on main_grad; "megatron": get_megatron_optimizer's Adam
     dist_opt: bool = False  # Megatron's distributed optimizer (implies optimizer="megatron")
@@ -103,10 +120,10 @@ class RunConfig:
     lr: float = 1e-3
 
 
-def setup_process(expert_parallel: int = 1) -> None:
+def setup_process(expert_parallel: int = 1, tensor_parallel: int = 1, pipeline_parallel: int = 1) -> None:
     """The NCCL group (one rank on GPU 0, or torchrun's ranks, one GPU each), Megatron's
-    parallel state (data parallel, experts split over ``expert_parallel`` ranks);
-    idempotent."""
+    parallel state (tensor and pipeline parallel as given, data parallel over the ranks left,
+    experts split over ``expert_parallel`` ranks); idempotent."""
     from megatron.core import parallel_state  # noqa: PLC0415
 
     if not torch.distributed.is_initialized():
@@ -121,21 +138,27 @@ def setup_process(expert_parallel: int = 1) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         torch.distributed.init_process_group("nccl", rank=rank, world_size=world)
     world = torch.distributed.get_world_size()
-    if world % expert_parallel:
-        raise ValueError(f"--expert-parallel {expert_parallel} does not divide the {world} ranks.")
+    if world % expert_parallel or world % (tensor_parallel * pipeline_parallel):
+        raise ValueError(f"--expert-parallel {expert_parallel}, --tensor-parallel {tensor_parallel} x "
+                         f"--pipeline-parallel {pipeline_parallel}: each must divide the {world} ranks.")
+    sizes = (expert_parallel, tensor_parallel, pipeline_parallel)
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=expert_parallel)
-    elif parallel_state.get_expert_model_parallel_world_size() != expert_parallel:
-        raise ValueError("setup_process: Megatron's parallel state was made for another expert parallel size.")
+        parallel_state.initialize_model_parallel(tensor_parallel, pipeline_parallel,
+                                                 expert_model_parallel_size=expert_parallel)
+    elif (parallel_state.get_expert_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_world_size(),
+          parallel_state.get_pipeline_model_parallel_world_size()) != sizes:
+        raise ValueError("setup_process: Megatron's parallel state was made for other parallel sizes.")
 
 
 def _build(cfg: RunConfig) -> tuple[list, Any, Any]:
     """Seed, then the model (GPTModel, TE spec) wrapped as Megatron trains it, and its
     Megatron optimizer (None for plain SGD)."""
+    from megatron.core import parallel_state  # noqa: PLC0415
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: PLC0415
     from megatron.core.distributed import finalize_model_grads  # noqa: PLC0415
     from megatron.core.models.gpt import GPTModel  # noqa: PLC0415
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec  # noqa: PLC0415
+    from megatron.core.models.gpt.gpt_layer_specs import (  # noqa: PLC0415
+        get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
     from megatron.core.num_microbatches_calculator import (  # noqa: PLC0415
         destroy_num_microbatches_calculator, init_num_microbatches_calculator)
     from megatron.core.tensor_parallel import layers as tp_layers  # noqa: PLC0415
@@ -163,13 +186,22 @@ def _build(cfg: RunConfig) -> tuple[list, Any, Any]:
             moe.update(moe_expert_capacity_factor=cfg.capacity, moe_pad_expert_input_to_capacity=True)
     if cfg.graph_modules:
         moe["cuda_graph_modules"] = cfg.graph_modules.split(",")
+    if cfg.spec not in ("te", "local"):
+        raise ValueError(f"--spec is 'te' or 'local', not {cfg.spec!r}.")
+    if cfg.spec == "local" and (cfg.fusion or cfg.fp8 or cfg.experts):
+        raise ValueError("--spec local runs megatron-core's own layers: bf16, dense, --fusion 0 (their fused "
+                         "weight-gradient kernels are NVIDIA apex's).")
+    parallel = dict(tensor_model_parallel_size=cfg.tensor_parallel, sequence_parallel=cfg.sequence_parallel,
+                    pipeline_model_parallel_size=cfg.pipeline_parallel,
+                    pipeline_dtype=torch.bfloat16 if cfg.pipeline_parallel > 1 else None)
     config = TransformerConfig(
-        num_layers=cfg.layers, hidden_size=cfg.hidden, num_attention_heads=cfg.heads,
+        num_layers=cfg.layers, hidden_size=cfg.hidden, num_attention_heads=cfg.heads, **parallel,
         bf16=True, params_dtype=torch.bfloat16, hidden_dropout=cfg.dropout, attention_dropout=cfg.dropout,
         # The same in every run (the eager one never makes graphs): DDP and the layers then
         # take the same paths, and only the helper differs.
         cuda_graph_impl="transformer_engine",
-        cuda_graph_warmup_steps=cfg.warmup_steps, gradient_accumulation_fusion=cfg.fusion, **fp8, **moe,
+        cuda_graph_warmup_steps=cfg.warmup_steps, gradient_accumulation_fusion=cfg.fusion,
+        transformer_impl="local" if cfg.spec == "local" else "transformer_engine", **fp8, **moe,
     )
     if cfg.recompute == "full":
         # Megatron's __post_init__ refuses full recompute with per-layer graphs (its own
@@ -184,13 +216,21 @@ def _build(cfg: RunConfig) -> tuple[list, Any, Any]:
     available = tp_layers._grad_accum_fusion_available
     tp_layers._grad_accum_fusion_available = True
     try:
-        spec = get_gpt_layer_with_transformer_engine_spec(num_experts=cfg.experts or None,
-                                                          moe_grouped_gemm=bool(cfg.experts))
-        gpt = GPTModel(config, spec, vocab_size=cfg.vocab,
-                       max_sequence_length=cfg.seq)
+        if cfg.spec == "local":
+            spec = get_gpt_layer_local_spec()
+        else:
+            spec = get_gpt_layer_with_transformer_engine_spec(num_experts=cfg.experts or None,
+                                                              moe_grouped_gemm=bool(cfg.experts))
+        # Each pipeline stage holds its share of the layers, the first the embedding, the last
+        # the output layer and the loss.
+        gpt = GPTModel(config, spec, vocab_size=cfg.vocab, max_sequence_length=cfg.seq,
+                       pre_process=parallel_state.is_pipeline_first_stage(),
+                       post_process=parallel_state.is_pipeline_last_stage(),
+                       position_embedding_type="rope" if cfg.rope else "learned_absolute")
     finally:
         tp_layers._grad_accum_fusion_available = available
-    gpt.output_layer.gradient_accumulation_fusion = False
+    if gpt.post_process:
+        gpt.output_layer.gradient_accumulation_fusion = False
     ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=cfg.overlap_grad_reduce,
                                         use_distributed_optimizer=cfg.dist_opt,
                                         overlap_param_gather=cfg.overlap_param_gather)
@@ -209,8 +249,12 @@ def _build(cfg: RunConfig) -> tuple[list, Any, Any]:
 
 def _batches(cfg: RunConfig) -> Iterator[dict]:
     """Random token batches with a causal mask, from a generator of their own (each
-    data-parallel rank its own batches)."""
-    g = torch.Generator(device="cuda").manual_seed(cfg.seed + 1 + 1000 * torch.distributed.get_rank())
+    data-parallel rank its own batches; the tensor- and pipeline-parallel ranks of one
+    model replica the same ones)."""
+    from megatron.core import parallel_state  # noqa: PLC0415
+
+    rank = parallel_state.get_data_parallel_rank()
+    g = torch.Generator(device="cuda").manual_seed(cfg.seed + 1 + 1000 * rank)
     positions = torch.arange(cfg.seq, device="cuda").expand(cfg.micro_batch, cfg.seq)
     mask = torch.ones(cfg.seq, cfg.seq, dtype=torch.bool, device="cuda").triu(1)
     mask = mask[None, None].expand(cfg.micro_batch, 1, cfg.seq, cfg.seq).contiguous()
@@ -242,7 +286,7 @@ def train(cfg: RunConfig) -> dict:
                          "distributed optimizer's parameter shards).")
     if cfg.expert_parallel > 1 and not cfg.experts:
         raise ValueError("--expert-parallel splits the experts over ranks: it needs --experts.")
-    setup_process(cfg.expert_parallel)
+    setup_process(cfg.expert_parallel, cfg.tensor_parallel, cfg.pipeline_parallel)
     integration.disable()
     if cfg.graphs in ("te_graph", "te_graph_replay"):
         integration.enable()
@@ -315,7 +359,8 @@ def train(cfg: RunConfig) -> dict:
                     p.add_(p.main_grad.to(p.dtype), alpha=-cfg.lr)
         torch.cuda.synchronize()
         record["step_ms"].append((time.perf_counter() - started - paused) * 1e3)
-        record["losses"].append(torch.stack([o["lm loss"] for o in out]).cpu())
+        # The losses, on the last pipeline stage (the others record an empty tensor).
+        record["losses"].append(torch.stack([o["lm loss"] for o in out]).cpu() if out else torch.empty(0))
         main_grads = main_grads or [p.main_grad.detach() for p in params]
         record["main_grads"].append([g.cpu() for g in main_grads])
         del main_grads
@@ -438,7 +483,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     base = RunConfig(**{k: getattr(args, k) for k in asdict(RunConfig()) if k != "graphs"})
     records = {}
-    setup_process(base.expert_parallel)  # this rank's GPU is current before _side_stream makes a stream
+    setup_process(base.expert_parallel, base.tensor_parallel, base.pipeline_parallel)  # this rank's GPU is current before _side_stream makes a stream
     for graphs in args.graphs.split(","):
         with _side_stream() if graphs == "te" else contextlib.nullcontext():
             records[graphs] = train(replace(base, graphs=graphs))

@@ -9,7 +9,10 @@ every step's losses, ``main_grad`` buffers and weights after the optimizer step 
 bitwise. The setups: dropout, gradient-accumulation fusion, FP8, full and selective recompute
 (both refused by Megatron with per-layer graphs; full recompute in bf16 and FP8), DDP's overlapped gradient reduction with
 Megatron's optimizer, the distributed optimizer with overlapped parameter gathers (DDP's
-forward pre-hooks run by the helper before each replay), and megatron-core's MoE layers:
+forward pre-hooks run by the helper before each replay), megatron-core's own modules
+(``transformer_impl="local"``), rotary embeddings, a hook registered on a graphed layer
+(refused: the helper's replay would skip it), tensor + sequence parallel and pipeline
+parallel over two GPUs (``multi_gpu``), and megatron-core's MoE layers:
 drop-and-pad graphed whole, dropless graphed up to token dispatch (bf16, FP8, full recompute),
 dropless refused by name when graphed whole, and dropless experts in capacity graphs (bf16,
 FP8 delayed and current scaling); with expert parallelism over two GPUs (torchrun, NCCL
@@ -22,6 +25,7 @@ import importlib.util
 import os
 import re
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -58,6 +62,12 @@ SETUPS = {
                                                "--optimizer", "megatron"],
     "distributed-optimizer-overlap-param-gather": ["--dropout", "0.1", "--fusion", "1", "--dist-opt", "1",
                                                    "--overlap-grad-reduce", "1", "--overlap-param-gather", "1"],
+    # megatron-core's own modules (transformer_impl="local"): no TE module in the layers, yet
+    # the helper's replay passes is_first_microbatch to every graph.
+    "local-spec-dropout": ["--spec", "local", "--dropout", "0.1", "--fusion", "0"],
+    "local-spec-full-recompute-dropout": ["--spec", "local", "--dropout", "0.1", "--fusion", "0", "--recompute", "full"],
+    # Rotary embeddings: the helper captures each layer with the model's rotary_pos_emb as an input.
+    "rope-dropout": ["--rope", "1", "--dropout", "0.1", "--fusion", "1"],
 }
 
 # megatron-core's MoE layers (4 experts, top-2, TE grouped GEMM, alltoall dispatcher, aux loss).
@@ -122,6 +132,52 @@ def _assert_trains_as_eager(records: dict, setup: str) -> None:
     assert len(graphed["losses"]) == len(eager["losses"]) == 4
     _assert_same(graphed, eager, f"{setup}, te_graph's graphs")
     _assert_same(replay, eager, f"{setup}, te_graph's eager replay")
+
+
+# A hook registered on a graphed layer after the helper made its graphs: megatron-core's
+# __call__ replays the graph without nn.Module.__call__, so the hook would never run.
+_HOOK_AFTER_GRAPHING = """
+import sys
+from examples import megatron_gpt
+from megatron.core.transformer import cuda_graphs
+
+made = cuda_graphs.TECudaGraphHelper.create_cudagraphs
+calls = []
+
+def create_then_hook(helper):
+    made(helper)
+    layer = helper.model[0].module.module.decoder.layers[0]
+    layer.register_{kind}(lambda *args: calls.append(len(args)))
+
+cuda_graphs.TECudaGraphHelper.create_cudagraphs = create_then_hook
+cfg = megatron_gpt.RunConfig(graphs=sys.argv[1], layers=2, hidden=256, heads=4, seq=128, steps=3, dropout=0.1)
+megatron_gpt.setup_process()
+try:
+    megatron_gpt.train(cfg)
+except RuntimeError as error:
+    print("REFUSED", calls, error)
+else:
+    print("TRAINED", calls)
+"""
+
+
+@pytest.mark.parametrize("kind", ["forward_hook", "forward_pre_hook", "full_backward_hook"])
+@pytest.mark.parametrize("graphs", ["te_graph", "te_graph_replay"])
+def test_a_hook_on_a_graphed_megatron_layer_is_refused_at_the_next_call(tmp_path, graphs, kind):
+    """Eager Megatron runs a hook registered on a layer; its graphed replay (and te_graph's eager
+    replay) would skip it, so the next call is refused, naming the hook, before the hook was
+    ever skipped."""
+    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+    if torch.cuda.is_available():
+        env["CUDA_VISIBLE_DEVICES"] = str(torch.cuda.current_device())
+    done = subprocess.run([sys.executable, "-c", _HOOK_AFTER_GRAPHING.replace("{kind}", kind), graphs], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    table = kind.replace("full_", "").replace("_", " ") + "s"
+    assert re.search(
+        rf"REFUSED \[\] callable \d+ \(TransformerLayer\), microbatch \d+: since graphing, {table} on the module changed "
+        r"\(0 -> 1\); megatron-core's __call__ replays this layer's graphs without nn\.Module\.__call__, so hooks on "
+        r"the layer itself never run at replay", done.stdout), done.stdout[-3000:]
 
 
 def test_a_dropless_moe_layer_graphed_whole_is_refused_naming_the_host_wait(tmp_path):
@@ -218,14 +274,38 @@ EXPERT_PARALLEL_SETUPS = {
 }
 
 
+# Tensor parallel (with sequence parallel: TE's all-gathers and reduce-scatters inside the
+# graphs) and pipeline parallel (the helper captures each stage's layers in its 1F1B order,
+# with te_graph's order=) over 2 GPUs, each rank bitwise against its own eager run.
+MODEL_PARALLEL_SETUPS = {
+    "tp2-sp-dropout": ["--tensor-parallel", "2", "--sequence-parallel", "1", "--dropout", "0.1", "--fusion", "1"],
+    "tp2-sp-rope-fp8-delayed-full-recompute": ["--tensor-parallel", "2", "--sequence-parallel", "1", "--rope", "1",
+                                               "--dropout", "0.1", "--fusion", "1", "--fp8", "delayed",
+                                               "--recompute", "full"],
+    "pp2-dropout": ["--pipeline-parallel", "2", "--dropout", "0.1", "--fusion", "1"],
+    "pp2-rope-full-recompute": ["--pipeline-parallel", "2", "--rope", "1", "--dropout", "0.1", "--fusion", "1",
+                                "--recompute", "full"],
+}
+
+
+PARALLEL_SETUPS = {**EXPERT_PARALLEL_SETUPS, **MODEL_PARALLEL_SETUPS}
+
+
 @pytest.mark.multi_gpu
-@pytest.mark.parametrize("setup", list(EXPERT_PARALLEL_SETUPS), ids=list(EXPERT_PARALLEL_SETUPS))
-def test_expert_parallel_layers_train_as_eager_on_two_gpus(tmp_path, setup):
-    ranks = _run(tmp_path, EXPERT_PARALLEL_SETUPS[setup], ranks=2)
+@pytest.mark.parametrize("setup", list(PARALLEL_SETUPS), ids=list(PARALLEL_SETUPS))
+def test_parallel_layers_train_as_eager_on_two_gpus(tmp_path, setup):
+    ranks = _run(tmp_path, PARALLEL_SETUPS[setup], ranks=2)
     for rank, records in enumerate(ranks):
         _assert_trains_as_eager(records, f"{setup}, rank {rank}")
-    # Data parallel for real: each rank trained on batches of its own.
-    assert not torch.equal(ranks[0]["eager"]["losses"][0], ranks[1]["eager"]["losses"][0])
+    # The losses live on the last pipeline stage (on every rank without pipeline parallelism).
+    assert ranks[-1]["eager"]["losses"][0].numel() == 4
+    first, last = (ranks[r]["eager"]["losses"][0] for r in (0, 1))
+    if setup.startswith("ep2"):  # data parallel for real: each rank trained on batches of its own
+        assert not torch.equal(first, last)
+    elif setup.startswith("tp2"):  # one model replica: both ranks computed the same losses
+        assert torch.equal(first, last)
+    else:  # pipeline parallel: only the last stage has a loss
+        assert first.numel() == 0
 
 
 @pytest.mark.multi_gpu
