@@ -28,8 +28,9 @@ hand before each replay, as Megatron-LM's ``training.py`` does. The output layer
 Megatron's ``ColumnParallelLinear``, whose fused weight-gradient kernel needs NVIDIA apex:
 it is built with fusion off (``gradient_accumulation_fusion`` stays on for every TE layer).
 
-``--tensor-parallel N`` (with ``--sequence-parallel 1``) and ``--pipeline-parallel N`` split
-the model over torchrun's ranks (the ranks left over are data parallel); ``--rope 1`` uses
+``--tensor-parallel N`` (with ``--sequence-parallel 1``) and ``--pipeline-parallel N`` (with
+``--virtual-pipeline N`` model chunks per stage: the interleaved schedule) split the model
+over torchrun's ranks (the ranks left over are data parallel); ``--rope 1`` uses
 rotary position embeddings; ``--spec local`` builds megatron-core's own modules instead of
 TE's (with ``--fusion 0``)::
 
@@ -86,6 +87,7 @@ class RunConfig:
     tensor_parallel: int = 1
     sequence_parallel: bool = False
     pipeline_parallel: int = 1
+    virtual_pipeline: int = 1  # model chunks per pipeline stage (interleaved 1F1B where above 1)
     recompute: str = "none"  # "none", "full" (whole layers, one at a time) or "selective" (core attention)
     optimizer: str = "sgd"  # "sgd": plain SGD on main_grad; "megatron": get_megatron_optimizer's Adam
     dist_opt: bool = False  # Megatron's distributed optimizer (implies optimizer="megatron")
@@ -120,9 +122,10 @@ class RunConfig:
     lr: float = 1e-3
 
 
-def setup_process(expert_parallel: int = 1, tensor_parallel: int = 1, pipeline_parallel: int = 1) -> None:
+def setup_process(expert_parallel: int = 1, tensor_parallel: int = 1, pipeline_parallel: int = 1,
+                  virtual_pipeline: int = 1) -> None:
     """The NCCL group (one rank on GPU 0, or torchrun's ranks, one GPU each), Megatron's
-    parallel state (tensor and pipeline parallel as given, data parallel over the ranks left,
+    parallel state (tensor and pipeline parallel as given, ``virtual_pipeline`` model chunks per stage, data parallel over the ranks left,
     experts split over ``expert_parallel`` ranks); idempotent."""
     from megatron.core import parallel_state  # noqa: PLC0415
 
@@ -143,10 +146,12 @@ def setup_process(expert_parallel: int = 1, tensor_parallel: int = 1, pipeline_p
                          f"--pipeline-parallel {pipeline_parallel}: each must divide the {world} ranks.")
     sizes = (expert_parallel, tensor_parallel, pipeline_parallel)
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_parallel, pipeline_parallel,
-                                                 expert_model_parallel_size=expert_parallel)
+        parallel_state.initialize_model_parallel(
+            tensor_parallel, pipeline_parallel, virtual_pipeline_model_parallel_size=virtual_pipeline if virtual_pipeline > 1 else None,
+            expert_model_parallel_size=expert_parallel)
     elif (parallel_state.get_expert_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_world_size(),
-          parallel_state.get_pipeline_model_parallel_world_size()) != sizes:
+          parallel_state.get_pipeline_model_parallel_world_size()) != sizes or (
+              parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1) != virtual_pipeline:
         raise ValueError("setup_process: Megatron's parallel state was made for other parallel sizes.")
 
 
@@ -193,7 +198,8 @@ def _build(cfg: RunConfig) -> tuple[list, Any, Any]:
                          "weight-gradient kernels are NVIDIA apex's).")
     parallel = dict(tensor_model_parallel_size=cfg.tensor_parallel, sequence_parallel=cfg.sequence_parallel,
                     pipeline_model_parallel_size=cfg.pipeline_parallel,
-                    pipeline_dtype=torch.bfloat16 if cfg.pipeline_parallel > 1 else None)
+                    pipeline_dtype=torch.bfloat16 if cfg.pipeline_parallel > 1 else None,
+                    virtual_pipeline_model_parallel_size=cfg.virtual_pipeline if cfg.virtual_pipeline > 1 else None)
     config = TransformerConfig(
         num_layers=cfg.layers, hidden_size=cfg.hidden, num_attention_heads=cfg.heads, **parallel,
         bf16=True, params_dtype=torch.bfloat16, hidden_dropout=cfg.dropout, attention_dropout=cfg.dropout,
@@ -221,20 +227,27 @@ def _build(cfg: RunConfig) -> tuple[list, Any, Any]:
         else:
             spec = get_gpt_layer_with_transformer_engine_spec(num_experts=cfg.experts or None,
                                                               moe_grouped_gemm=bool(cfg.experts))
-        # Each pipeline stage holds its share of the layers, the first the embedding, the last
-        # the output layer and the loss.
-        gpt = GPTModel(config, spec, vocab_size=cfg.vocab, max_sequence_length=cfg.seq,
-                       pre_process=parallel_state.is_pipeline_first_stage(),
-                       post_process=parallel_state.is_pipeline_last_stage(),
-                       position_embedding_type="rope" if cfg.rope else "learned_absolute")
+        # Each pipeline stage holds its share of the layers (in --virtual-pipeline chunks), the
+        # first chunk of the first stage the embedding, the last of the last the output layer
+        # and the loss.
+        chunks = []
+        for vp_stage in range(cfg.virtual_pipeline) if cfg.virtual_pipeline > 1 else [None]:
+            chunks.append(GPTModel(
+                config, spec, vocab_size=cfg.vocab, max_sequence_length=cfg.seq, vp_stage=vp_stage,
+                pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+                position_embedding_type="rope" if cfg.rope else "learned_absolute"))
     finally:
         tp_layers._grad_accum_fusion_available = available
-    if gpt.post_process:
-        gpt.output_layer.gradient_accumulation_fusion = False
     ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=cfg.overlap_grad_reduce,
                                         use_distributed_optimizer=cfg.dist_opt,
                                         overlap_param_gather=cfg.overlap_param_gather)
-    model = [DistributedDataParallel(config, ddp, Float16Module(config, gpt.cuda()))]
+    model = []
+    for index, gpt in enumerate(chunks):
+        if gpt.post_process:
+            gpt.output_layer.gradient_accumulation_fusion = False
+        # One gradient bucket for the chunks after the first, as Megatron-LM builds them.
+        model.append(DistributedDataParallel(config, ddp, Float16Module(config, gpt.cuda()), disable_bucketing=index > 0))
     config.finalize_model_grads_func = finalize_model_grads
     optimizer = None
     if cfg.optimizer == "megatron" or cfg.dist_opt:
@@ -286,20 +299,22 @@ def train(cfg: RunConfig) -> dict:
                          "distributed optimizer's parameter shards).")
     if cfg.expert_parallel > 1 and not cfg.experts:
         raise ValueError("--expert-parallel splits the experts over ranks: it needs --experts.")
-    setup_process(cfg.expert_parallel, cfg.tensor_parallel, cfg.pipeline_parallel)
+    setup_process(cfg.expert_parallel, cfg.tensor_parallel, cfg.pipeline_parallel, cfg.virtual_pipeline)
     integration.disable()
     if cfg.graphs in ("te_graph", "te_graph_replay"):
         integration.enable()
     elif cfg.recompute != "none" and cfg.graphs == "eager":
         integration.enable(recompute=True)  # the eager reference recomputes exactly too
     model, config, optimizer = _build(cfg)
-    params = [p for p in model[0].parameters() if p.requires_grad]
+    params = [p for chunk in model for p in chunk.parameters() if p.requires_grad]
     helper = None
     if cfg.graphs != "eager":
         helper = TECudaGraphHelper(model=model, config=config, seq_length=cfg.seq, micro_batch_size=cfg.micro_batch,
                                    optimizers=[optimizer] if optimizer is not None else [])
     step_fn = get_forward_backward_func()
-    data = _batches(cfg)
+    # One iterator per model chunk (the interleaved schedule takes a list), each over the same
+    # batches: the first chunk reads the tokens, the last the labels.
+    data = [_batches(cfg) for _ in model] if len(model) > 1 else _batches(cfg)
     record: dict = {"losses": [], "main_grads": [], "weights": [], "step_ms": [], "config": asdict(cfg)}
     routed = _count_routed() if cfg.experts and cfg.count_dropped else None
     dropless: list = []
@@ -311,7 +326,8 @@ def train(cfg: RunConfig) -> dict:
             os.environ["TE_GRAPH_EAGER_REPLAY"] = "1" if replay else "0"
             try:
                 if cfg.overlap_param_gather:  # Megatron-LM's training.py order around capture
-                    model[0].disable_forward_pre_hook(param_sync=False)
+                    for chunk in model:
+                        chunk.disable_forward_pre_hook(param_sync=False)
                 with _thread_local_capture() if cfg.graphs == "te" else contextlib.nullcontext():
                     helper.create_cudagraphs()
                 if cfg.buckets and cfg.graphs != "te":
@@ -320,10 +336,11 @@ def train(cfg: RunConfig) -> dict:
                     # An expert's rank receives tokens from every rank of its expert-parallel group.
                     capacities = capacities_for(cfg.seq * cfg.micro_batch * cfg.expert_parallel, cfg.topk, cfg.experts,
                                                 [float(f) for f in cfg.buckets.split(",")])
-                    dropless = graph_dropless_experts(model[0], capacities, tokens=cfg.seq * cfg.micro_batch,
-                                                      span=cfg.moe_span, overflow=cfg.overflow)
+                    dropless = [d for chunk in model for d in graph_dropless_experts(
+                        chunk, capacities, tokens=cfg.seq * cfg.micro_batch, span=cfg.moe_span, overflow=cfg.overflow)]
                 if cfg.overlap_param_gather:
-                    model[0].enable_forward_pre_hook()
+                    for chunk in model:
+                        chunk.enable_forward_pre_hook()
                     helper.cuda_graph_set_manual_hooks()  # DDP's pre-hooks, run before each replay
             finally:
                 if previous is None:
@@ -335,7 +352,8 @@ def train(cfg: RunConfig) -> dict:
             record["graphed_with"] = type(model[0].module.module.decoder.layers[0].cuda_graphs[0]).__module__
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-        model[0].zero_grad_buffer()
+        for chunk in model:
+            chunk.zero_grad_buffer()
         if optimizer is not None:
             optimizer.zero_grad()
         torch.cuda.synchronize()
@@ -483,7 +501,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     base = RunConfig(**{k: getattr(args, k) for k in asdict(RunConfig()) if k != "graphs"})
     records = {}
-    setup_process(base.expert_parallel, base.tensor_parallel, base.pipeline_parallel)  # this rank's GPU is current before _side_stream makes a stream
+    setup_process(base.expert_parallel, base.tensor_parallel, base.pipeline_parallel, base.virtual_pipeline)  # this rank's GPU is current before _side_stream makes a stream
     for graphs in args.graphs.split(","):
         with _side_stream() if graphs == "te" else contextlib.nullcontext():
             records[graphs] = train(replace(base, graphs=graphs))

@@ -276,7 +276,7 @@ EXPERT_PARALLEL_SETUPS = {
 
 # Tensor parallel (with sequence parallel: TE's all-gathers and reduce-scatters inside the
 # graphs) and pipeline parallel (the helper captures each stage's layers in its 1F1B order,
-# with te_graph's order=) over 2 GPUs, each rank bitwise against its own eager run.
+# interleaved over model chunks with a virtual pipeline, with te_graph's order=) over 2 GPUs, each rank bitwise against its own eager run.
 MODEL_PARALLEL_SETUPS = {
     "tp2-sp-dropout": ["--tensor-parallel", "2", "--sequence-parallel", "1", "--dropout", "0.1", "--fusion", "1"],
     "tp2-sp-rope-fp8-delayed-full-recompute": ["--tensor-parallel", "2", "--sequence-parallel", "1", "--rope", "1",
@@ -285,6 +285,9 @@ MODEL_PARALLEL_SETUPS = {
     "pp2-dropout": ["--pipeline-parallel", "2", "--dropout", "0.1", "--fusion", "1"],
     "pp2-rope-full-recompute": ["--pipeline-parallel", "2", "--rope", "1", "--dropout", "0.1", "--fusion", "1",
                                 "--recompute", "full"],
+    # Interleaved 1F1B: 2 chunks of one layer per stage, graphs captured in the interleaved order.
+    "pp2-vpp2-dropout": ["--pipeline-parallel", "2", "--virtual-pipeline", "2", "--layers", "4", "--dropout", "0.1",
+                         "--fusion", "1"],
 }
 
 
