@@ -11,6 +11,7 @@ import torch
 
 from .layout import InputLayout, describe
 from . import compat
+from .frozen import hooks_run_around
 from .graphed import graphed_callable_of
 from .te_support import is_quantized_tensor
 
@@ -112,7 +113,7 @@ def check_modules(callables: Sequence[Callable]) -> None:
                     "the two."
                 )
             hooks = compat.module_hook_dicts(module)
-            if hooks:
+            if hooks and name not in hooks_run_around(c):
                 raise ValueError(
                     f"make_graphed_callables: {where} has hooks registered ({', '.join(hooks)}); "
                     "hooks would run only during capture, never at replay. Remove them before "

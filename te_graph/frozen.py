@@ -34,7 +34,7 @@ from . import compat
 from .integrations import megatron
 from .module_state import MODULE_INTERNALS
 
-__all__ = ["Settings", "FrozenModule", "Fingerprint"]
+__all__ = ["Settings", "FrozenModule", "Fingerprint", "hooks_run_around"]
 
 # Attribute values compared by identity at every call (a new object equal to the old one
 # is taken in on the slow path). Integers are left out: frameworks keep per-call counters
@@ -44,6 +44,15 @@ _HOOK_KINDS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_back
 _getitem = operator.getitem
 _requires_grad = operator.attrgetter("requires_grad")
 _data_ptr = torch.Tensor.data_ptr
+
+
+def hooks_run_around(module: torch.nn.Module) -> frozenset:
+    """The submodules (qualified names) of a graphed module whose own hooks run around the
+    call of the graphs, never inside them, as its class declares in ``_hooks_run_around``:
+    ``integrations.moe_experts`` graphs a program that runs an experts module that megatron-core
+    calls through ``nn.Module.__call__``, which replays the graphs. Their hooks are neither
+    refused at graphing nor watched after; their submodules' are, as any submodule's."""
+    return frozenset(getattr(module, "_hooks_run_around", ()))
 
 
 def _handles_made() -> int:
@@ -119,6 +128,7 @@ class FrozenModule:
         hook_reasons: list[str] = []
         params: list[tuple[str, torch.Tensor]] = []
         main_grads: list[tuple[str, torch.Tensor]] = []
+        around = hooks_run_around(module)
         seen: set[int] = set()
         for prefix, sub in module.named_modules():
             if id(sub) in seen:
@@ -140,7 +150,7 @@ class FrozenModule:
                         values.append(value)
             # The graphed module's own hooks run around the graphed forward, unless its class
             # routes the call to the graphs before nn.Module.__call__ runs them.
-            if prefix or routed:
+            if (prefix or routed) and prefix not in around:
                 for kind in _HOOK_KINDS:
                     hook_tables.append(getattr(sub, kind))
                     hook_names.append(f"{kind[1:].replace('_', ' ')} on {where}")
@@ -174,6 +184,9 @@ class FrozenModule:
         self._hook_keys = tuple(map(tuple, hook_tables))  # handle ids: a new hook has a new one
         self._handles_made = _handles_made()
         self._hooks_at_capture = tuple(tuple(table.values()) for table in hook_tables)
+        # The code of the hooks megatron-core's helper runs by hand, as the hooks were last
+        # accepted with: a helper that stops running them makes those hooks a change again.
+        self._run_by_hand = megatron.hooks_run_by_hand(module)
         self._no_hooks = not any(self._hook_sizes)  # the usual case: one C-level any() per call
         self._params = tuple(p for _, p in params)
         self._param_names = tuple(name for name, _ in params)
@@ -207,6 +220,8 @@ class FrozenModule:
         """Whether every hook table holds the hooks it held at the last check: one integer
         compare while no hook was registered anywhere, else the tables' keys (a hook removed
         and another added keeps a table's size, never its keys)."""
+        if megatron.hooks_run_by_hand(self.module) != self._run_by_hand:
+            return False
         made = _handles_made()
         if made == self._handles_made and made >= 0:
             return tuple(map(len, self._hook_tables)) == self._hook_sizes
@@ -269,6 +284,7 @@ class FrozenModule:
             self._hook_sizes = sizes
             self._hook_keys = tuple(map(tuple, self._hook_tables))
             self._handles_made = made
+            self._run_by_hand = megatron_hooks
             self._no_hooks = not any(sizes)
         return found
 

@@ -153,6 +153,13 @@ def test_ddp_pre_hooks_megatrons_helper_runs_by_hand_pass_in_any_order_and_other
         for handle in handles:
             handle.remove()
         m(_x()).sum().backward()
+    handles = [sub.register_forward_pre_hook(_make_forward_pre_hook()) for sub in m.modules()]
+    m(_x()).sum().backward()
+    manual, m.cuda_graph_manual_hooks = m.cuda_graph_manual_hooks, []  # the helper stops running them
+    _refused(m, "callable 0 (Net): since graphing, forward pre hooks on submodule 'lin1' changed (0 -> 1); ")
+    m.cuda_graph_manual_hooks = manual
+    for handle in handles:
+        handle.remove()
     m.drop.register_forward_pre_hook(_make_forward_pre_hook())  # DDP's, on a module without parameters
     m.drop.register_forward_pre_hook(lambda *_: None)  # the user's
     _refused(m, "callable 0 (Net): since graphing, forward pre hooks on submodule 'drop' changed (0 -> 2); ")

@@ -215,6 +215,10 @@ CAPACITY_SETUPS = {
     # recompute, as TE's eager modules do (te_support.FP8Replay).
     "fp8-delayed-full-recompute": ["--buckets", "1.0,1.25", "--fp8", "delayed", "--recompute", "full"],
     "bf16-overflow-eager": ["--buckets", "1.0,1.25", "--overflow", "eager"],
+    # The distributed optimizer with overlapped parameter all-gathers: DDP's forward pre-hooks
+    # on the experts' submodules, which the replays would skip, run by hand before each.
+    "bf16-dist-opt-overlap-param-gather": ["--buckets", "1.0,1.25", "--dist-opt", "1", "--overlap-grad-reduce", "1",
+                                           "--overlap-param-gather", "1"],
     "fp8-delayed": ["--buckets", "1.0,1.25", "--fp8", "delayed"],
     "fp8-tensorwise": ["--buckets", "1.0,1.25", "--fp8", "tensorwise"],
     "fp8-delayed-history-16-max": ["--buckets", "1.0,1.25", "--fp8", "delayed", "--fp8-amax-history", "16",

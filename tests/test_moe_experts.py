@@ -104,6 +104,42 @@ def test_each_call_takes_the_smallest_capacity_that_holds_it_and_trains_as_unpad
     assert "forward" not in graphed.experts.__dict__
 
 
+def test_hooks_on_the_experts_module_run_around_each_call_and_hooks_inside_it_are_refused():
+    """megatron-core calls the experts module through nn.Module.__call__, and the capacity graphs
+    of the experts alone replay inside its forward: its own hooks run around each call as around
+    its eager forward, registered before graphing or after. A hook on a submodule would run only
+    while the graphs are captured: refused at graphing, or at the next call."""
+    torch.manual_seed(0)
+    eager, graphed = Layer(), Layer()
+    graphed.load_state_dict(eager.state_dict())
+    seen: dict = {"eager": [], "graphed": []}
+
+    def hook(name):
+        return lambda module, args, out: seen[name].append(out[0].detach().clone())
+
+    eager.experts.register_forward_hook(hook("eager"))
+    graphed.experts.register_forward_hook(hook("graphed"))
+    installed = graph_dropless_experts(graphed, [16, 8], probs_dtype=torch.float64, eager_replay=True)
+    scale = lambda module, args: (args[0] * 2, *args[1:])  # noqa: E731  (registered after graphing)
+    eager.experts.register_forward_pre_hook(scale)
+    graphed.experts.register_forward_pre_hook(scale)
+    for seed, counts in enumerate([[3, 8, 0, 5], [9, 2, 2, 16]]):
+        want, got = _call(eager.experts, counts, seed), _call(graphed.experts, counts, seed)
+        for a, b in zip(want[:3] + tuple(want[3]), got[:3] + tuple(got[3])):
+            torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
+    assert installed[0].calls == {8: 1, 16: 1}
+    assert len(seen["graphed"]) == len(seen["eager"]) == 2
+    for a, b in zip(seen["eager"], seen["graphed"]):
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
+    graphed.experts.fc[0].register_forward_hook(lambda *_: None)
+    with pytest.raises(RuntimeError, match=re.escape("forward hooks on submodule 'experts.fc.0' changed (0 -> 1); "
+                                                     "hooks on a submodule run only while a graph is captured")):
+        _call(graphed.experts, [1, 2, 3, 0], 3)
+    installed[0].remove()
+    with pytest.raises(ValueError, match=re.escape("submodule 'experts.fc.0' of callable 0 has hooks registered")):
+        graph_dropless_experts(graphed, [8], probs_dtype=torch.float64, eager_replay=True)
+
+
 def test_bad_requests_are_refused_before_anything_changes():
     layer = Layer()
     with pytest.raises(ValueError, match=re.escape(
@@ -184,6 +220,52 @@ def test_the_graphs_take_the_parameters_dtype_and_a_token_dtype_mismatch_is_name
             "captured for torch.float64, their parameters' dtype at graphing: graph them after the model is cast "
             "(megatron-core's Float16Module, .to(dtype)), then call them in that dtype.")):
         layer.experts(torch.randn(3, H), torch.tensor([1, 1, 1, 0]), torch.rand(3, dtype=torch.float64))
+
+
+def _make_forward_pre_hook(calls: list):
+    """megatron-core DDP's ``_make_forward_pre_hook`` (``overlap_param_gather``): one closure
+    per call, one code; each call records the module (it would wait for its parameters'
+    all-gather)."""
+    def hook(module, *unused):
+        calls.append(module)
+    return hook
+
+
+class TransformerLayerLike(nn.Module):
+    """A megatron-core layer holding the MoE layer as its MLP, with the helper's manual
+    hooks (``cuda_graph_set_manual_hooks``) for a submodule of its own graphed part."""
+
+    def __init__(self, calls: list):
+        super().__init__()
+        self.mlp = Layer()
+        self.cuda_graph_manual_hooks = [(_make_forward_pre_hook(calls), (self.mlp,))]
+
+
+def test_ddp_pre_hooks_on_the_experts_run_before_each_replay_and_other_hooks_are_refused():
+    """megatron-core DDP's forward pre-hooks (``overlap_param_gather``), which it puts on every
+    submodule after the graphs are made: those of the experts' submodules with parameters wait
+    for the parameters' all-gather, so they run by hand before each replay (eager replay also
+    runs them as the experts call their submodules), where the layer's helper runs DDP's hooks
+    by hand; any other hook on a submodule is refused at the next call."""
+    calls: list = []
+    owner = TransformerLayerLike(calls)
+    installed = graph_dropless_experts(owner, [8], probs_dtype=torch.float64, eager_replay=True)
+    experts = owner.mlp.experts
+    handles = [m.register_forward_pre_hook(_make_forward_pre_hook(calls)) for m in owner.modules()]
+    _call(experts, [1, 2, 3, 0], 0)
+    assert installed[0].calls == {8: 1}
+    assert calls[0] is experts  # its own, around its call (megatron-core calls the experts module)
+    assert calls[1:1 + E] == list(experts.fc), "by hand, before the replay: each submodule with parameters, once"
+    assert calls[1 + E:] == list(experts.fc), "then as the experts call them (eager replay)"
+    owner.cuda_graph_manual_hooks = []  # a helper that runs no hook by hand: nothing to take them for
+    with pytest.raises(RuntimeError, match=re.escape("forward pre hooks on submodule 'experts.fc.0' changed (0 -> 1)")):
+        _call(experts, [1, 2, 3, 0], 1)
+    for handle in handles:
+        handle.remove()
+    owner.cuda_graph_manual_hooks = [(_make_forward_pre_hook(calls), (owner.mlp,))]
+    experts.fc[1].register_forward_pre_hook(lambda *_: None)  # the user's
+    with pytest.raises(RuntimeError, match=re.escape("forward pre hooks on submodule 'experts.fc.1' changed (0 -> 1)")):
+        _call(experts, [1, 2, 3, 0], 2)
 
 
 class Broken(Experts):

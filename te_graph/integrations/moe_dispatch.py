@@ -102,6 +102,11 @@ class PaddedDispatch(torch.nn.Module):
         self._unpermute = unpermute  # the dispatcher's own (megatron-core's moe_utils.unpermute)
         self.fused = fused
 
+    @property
+    def cuda_graph_manual_hooks(self) -> list:
+        """The padded experts' (``moe_experts._Padded.cuda_graph_manual_hooks``)."""
+        return self.padded_experts.cuda_graph_manual_hooks
+
     def forward(self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
                 mapping: torch.Tensor, capacity: torch.Tensor) -> torch.Tensor:
         # The permuted tokens are grouped by expert, in token order; the dispatcher counts them

@@ -40,6 +40,7 @@ import torch
 from checkpointing.recompute_state import cuda_stream_capturing
 
 from ..te_support import FP8_ARGUMENTS, keeps_weight_cache
+from . import megatron
 
 __all__ = ["DroplessExperts", "graph_dropless_experts", "capacities_for", "padded_layout", "skips_weight_update"]
 
@@ -49,13 +50,34 @@ _SPANS = ("auto", "experts", "dispatch")
 
 
 class _Padded(torch.nn.Module):
-    """The experts on a padded layout: ``hidden`` holds ``C`` rows per local expert."""
+    """The experts on a padded layout: ``hidden`` holds ``C`` rows per local expert.
+    ``owner``: the megatron-core layer holding them (or None), whose helper's manual hooks
+    tell megatron-core DDP's forward pre-hooks apart (``cuda_graph_manual_hooks``)."""
 
-    def __init__(self, experts: torch.nn.Module, forward: Callable, num_experts: int):
+    # Graphed alone (span "experts"), these graphs replay inside the experts module's own
+    # forward, which megatron-core calls through nn.Module.__call__: hooks on that module run
+    # around the replay as they run around its eager forward (``frozen.hooks_run_around``).
+    # Inside the dispatch span's graphs the experts are not called at all: there this does
+    # not apply (it is read of the graphed module only).
+    _hooks_run_around = ("experts",)
+
+    def __init__(self, experts: torch.nn.Module, forward: Callable, num_experts: int,
+                 owner: Optional[torch.nn.Module] = None):
         super().__init__()
         self.experts = experts
         self._forward = forward  # the class's forward, bound (the instance's is replaced)
         self.num_experts = num_experts
+        self.__dict__["_owner"] = owner  # not a submodule: the layer is not part of this program
+
+    @property
+    def cuda_graph_manual_hooks(self) -> list:
+        """The forward pre-hooks of megatron-core's DDP (``overlap_param_gather``) that the
+        layer's helper runs by hand before its graphs' replays (``cuda_graph_set_manual_hooks``):
+        those DDP puts on the experts' submodules pass the per-call check of the capacity graphs
+        (``integrations.megatron.hooks_run_by_hand``), which run them by hand before each
+        replay too (:meth:`DroplessExperts._run_ddp_pre_hooks`)."""
+        owner = self.__dict__["_owner"]
+        return list(getattr(owner, "cuda_graph_manual_hooks", None) or ())
 
     def forward(self, hidden: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         capacity = hidden.shape[0] // self.num_experts
@@ -92,6 +114,9 @@ class DroplessExperts:
         # forward clears (``TEGroupedLinear.forward``) and that Megatron sets again at each
         # step's first microbatch under FP8 (``MegatronModule.set_is_first_microbatch``).
         self._first_microbatch_flags = [m for m in experts.modules() if hasattr(m, "is_first_microbatch")]
+        # The experts' submodules with parameters of their own, whose DDP forward pre-hooks
+        # wait for their parameters' all-gather (overlap_param_gather).
+        self._param_modules = [m for m in experts.modules() if next(m.parameters(recurse=False), None) is not None]
         self._install()
 
     def _install(self) -> None:
@@ -153,6 +178,8 @@ class DroplessExperts:
     def _replay(self, run: Callable, *inputs: torch.Tensor) -> torch.Tensor:
         """``run(*inputs)`` with the per-call Python state the eager TE wrappers keep."""
         flags = self._first_microbatch_flags
+        if run is self.graphed:
+            self._run_ddp_pre_hooks()
         if self.fp8 and run is self.graphed:
             # The captured weight casts read TE's device flag "skip the weight update": set it
             # as the eager wrappers would decide, whoever else set it last (one fill kernel).
@@ -165,6 +192,20 @@ class DroplessExperts:
         for module in flags:
             module.is_first_microbatch = False
         return output
+
+    def _run_ddp_pre_hooks(self) -> None:
+        """megatron-core DDP's forward pre-hooks on the experts' submodules with parameters
+        (``overlap_param_gather``: each waits for its parameters' all-gather), which a replay
+        would skip: run by hand before it, as megatron-core's helper runs those of the layer's
+        own graphs (told apart by their code, ``integrations.megatron.hooks_run_by_hand``:
+        where the helper runs none, none is run here, and the per-call check refuses them)."""
+        codes = megatron.hooks_run_by_hand(self.graphed)
+        if not codes:
+            return
+        for module in self._param_modules:
+            for hook in tuple(module._forward_pre_hooks.values()):
+                if getattr(hook, "__code__", None) in codes:
+                    hook(module, ())
 
     def remove(self) -> None:
         """Put the experts' own forward back and free the graphs."""
@@ -256,10 +297,12 @@ def graph_dropless_experts(
                          "pool= unset.")
     wanted = sorted({int(c) for c in capacities}, reverse=True)
     plans = [_span_of(layer, span, tokens, wanted) for layer in layers]  # every refusal before anything is graphed
+    # The megatron-core layer holding each MoE layer (as its MLP), whose helper runs DDP's hooks.
+    owners = {id(m.mlp): m for m in model.modules() if isinstance(getattr(m, "mlp", None), torch.nn.Module)}
     installed: list[DroplessExperts] = []
     try:
         for layer, (layer_span, layer_capacities) in zip(layers, plans):
-            installed.append(_install(layer, layer_span, layer_capacities, tokens, probs_dtype,
+            installed.append(_install(layer, owners.get(id(layer)), layer_span, layer_capacities, tokens, probs_dtype,
                                       _OVERFLOW_ROWS[overflow], eager_replay, graph_options))
     except BaseException:
         for done in installed:  # a failure leaves the model as it was
@@ -305,9 +348,9 @@ def _span_of(layer: torch.nn.Module, span: str, tokens: Optional[int], largest_f
     return "experts", largest_first
 
 
-def _install(layer: torch.nn.Module, span: str, largest_first: list[int], tokens: Optional[int],
-             probs_dtype: Optional[torch.dtype], overflow_rows: Optional[int], eager_replay: Optional[bool],
-             graph_options: dict) -> DroplessExperts:
+def _install(layer: torch.nn.Module, owner: Optional[torch.nn.Module], span: str, largest_first: list[int],
+             tokens: Optional[int], probs_dtype: Optional[torch.dtype], overflow_rows: Optional[int],
+             eager_replay: Optional[bool], graph_options: dict) -> DroplessExperts:
     import te_graph  # noqa: PLC0415
 
     from . import moe_dispatch  # noqa: PLC0415  (moe_dispatch builds on this module)
@@ -322,7 +365,7 @@ def _install(layer: torch.nn.Module, span: str, largest_first: list[int], tokens
     # The router computes in moe_router_dtype where set, else in the activations' dtype,
     # and dispatch permutes its probabilities as they are.
     probs = probs_dtype or _ROUTER_DTYPES.get(getattr(layer.config, "moe_router_dtype", None), dtype)
-    padded = _Padded(experts, type(experts).forward.__get__(experts), num_experts)
+    padded = _Padded(experts, type(experts).forward.__get__(experts), num_experts, owner)
     if span == "dispatch":
         program: torch.nn.Module = moe_dispatch.PaddedDispatch(
             padded, moe_dispatch.module_of(layer.token_dispatcher).unpermute, bool(layer.config.moe_permute_fusion))
