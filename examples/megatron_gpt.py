@@ -118,6 +118,9 @@ class RunConfig:
     graphs: str = "te_graph"
     steps: int = 4
     warmup_steps: int = 1  # eager steps before the helper makes the graphs
+    # Before this step (0: never), delete the graphs (the helper's delete_cuda_graphs, which
+    # resets each graphed callable) and make them again, as a loop that turns graphs off and on would.
+    regraph_at: int = 0
     seed: int = 1234
     lr: float = 1e-3
 
@@ -321,37 +324,17 @@ def train(cfg: RunConfig) -> dict:
     for step in range(cfg.steps):
         if helper is not None and step == cfg.warmup_steps:
             started = time.perf_counter()
-            replay = cfg.graphs == "te_graph_replay"  # te_graph's eager replay: the graphs' mirror
-            previous = os.environ.get("TE_GRAPH_EAGER_REPLAY")
-            os.environ["TE_GRAPH_EAGER_REPLAY"] = "1" if replay else "0"
-            try:
-                if cfg.overlap_param_gather:  # Megatron-LM's training.py order around capture
-                    for chunk in model:
-                        chunk.disable_forward_pre_hook(param_sync=False)
-                with _thread_local_capture() if cfg.graphs == "te" else contextlib.nullcontext():
-                    helper.create_cudagraphs()
-                if cfg.buckets and cfg.graphs != "te":
-                    from te_graph.integrations.moe_experts import capacities_for, graph_dropless_experts  # noqa: PLC0415
-
-                    # An expert's rank receives tokens from every rank of its expert-parallel group.
-                    capacities = capacities_for(cfg.seq * cfg.micro_batch * cfg.expert_parallel, cfg.topk, cfg.experts,
-                                                [float(f) for f in cfg.buckets.split(",")])
-                    dropless = [d for chunk in model for d in graph_dropless_experts(
-                        chunk, capacities, tokens=cfg.seq * cfg.micro_batch, span=cfg.moe_span, overflow=cfg.overflow)]
-                if cfg.overlap_param_gather:
-                    for chunk in model:
-                        chunk.enable_forward_pre_hook()
-                    helper.cuda_graph_set_manual_hooks()  # DDP's pre-hooks, run before each replay
-            finally:
-                if previous is None:
-                    del os.environ["TE_GRAPH_EAGER_REPLAY"]
-                else:
-                    os.environ["TE_GRAPH_EAGER_REPLAY"] = previous
+            dropless = _make_graphs(cfg, model, helper)
             torch.cuda.synchronize()
             record["capture_s"] = time.perf_counter() - started
             record["graphed_with"] = type(model[0].module.module.decoder.layers[0].cuda_graphs[0]).__module__
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
+        if helper is not None and step == cfg.regraph_at > cfg.warmup_steps:
+            for d in dropless:
+                d.remove()
+            helper.delete_cuda_graphs()
+            dropless = _make_graphs(cfg, model, helper)
         for chunk in model:
             chunk.zero_grad_buffer()
         if optimizer is not None:
@@ -398,6 +381,41 @@ def train(cfg: RunConfig) -> dict:
     te_graph.reset()
     integration.disable()
     return record
+
+
+def _make_graphs(cfg: RunConfig, model: list, helper: Any) -> list:
+    """The helper's graphs of every layer (and with ``--buckets`` te_graph's capacity graphs of
+    the dropless experts, whose installations it returns), made as Megatron-LM's training.py
+    makes them: with DDP's forward pre-hooks off around capture, then on again and run by
+    hand before each replay."""
+    replay = cfg.graphs == "te_graph_replay"  # te_graph's eager replay: the graphs' mirror
+    previous = os.environ.get("TE_GRAPH_EAGER_REPLAY")
+    os.environ["TE_GRAPH_EAGER_REPLAY"] = "1" if replay else "0"
+    dropless: list = []
+    try:
+        if cfg.overlap_param_gather:
+            for chunk in model:
+                chunk.disable_forward_pre_hook(param_sync=False)
+        with _thread_local_capture() if cfg.graphs == "te" else contextlib.nullcontext():
+            helper.create_cudagraphs()
+        if cfg.buckets and cfg.graphs != "te":
+            from te_graph.integrations.moe_experts import capacities_for, graph_dropless_experts  # noqa: PLC0415
+
+            # An expert's rank receives tokens from every rank of its expert-parallel group.
+            capacities = capacities_for(cfg.seq * cfg.micro_batch * cfg.expert_parallel, cfg.topk, cfg.experts,
+                                        [float(f) for f in cfg.buckets.split(",")])
+            dropless = [d for chunk in model for d in graph_dropless_experts(
+                chunk, capacities, tokens=cfg.seq * cfg.micro_batch, span=cfg.moe_span, overflow=cfg.overflow)]
+        if cfg.overlap_param_gather:
+            for chunk in model:
+                chunk.enable_forward_pre_hook()
+            helper.cuda_graph_set_manual_hooks()  # DDP's pre-hooks, run before each replay
+    finally:
+        if previous is None:
+            del os.environ["TE_GRAPH_EAGER_REPLAY"]
+        else:
+            os.environ["TE_GRAPH_EAGER_REPLAY"] = previous
+    return dropless
 
 
 class _count_routed:

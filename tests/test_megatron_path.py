@@ -68,6 +68,12 @@ SETUPS = {
     "local-spec-full-recompute-dropout": ["--spec", "local", "--dropout", "0.1", "--fusion", "0", "--recompute", "full"],
     # Rotary embeddings: the helper captures each layer with the model's rotary_pos_emb as an input.
     "rope-dropout": ["--rope", "1", "--dropout", "0.1", "--fusion", "1"],
+    # The helper's delete_cuda_graphs (each graphed callable reset) and create_cudagraphs again
+    # before step 3, as a loop that turns graphs off and on would; with DDP's hooks run by hand too.
+    "regraph-dropout": ["--regraph-at", "3", "--dropout", "0.1", "--fusion", "1"],
+    "regraph-distributed-optimizer-overlap-param-gather": ["--regraph-at", "3", "--dropout", "0.1", "--fusion", "1",
+                                                          "--dist-opt", "1", "--overlap-grad-reduce", "1",
+                                                          "--overlap-param-gather", "1"],
 }
 
 # megatron-core's MoE layers (4 experts, top-2, TE grouped GEMM, alltoall dispatcher, aux loss).
@@ -219,6 +225,8 @@ CAPACITY_SETUPS = {
     # on the experts' submodules, which the replays would skip, run by hand before each.
     "bf16-dist-opt-overlap-param-gather": ["--buckets", "1.0,1.25", "--dist-opt", "1", "--overlap-grad-reduce", "1",
                                            "--overlap-param-gather", "1"],
+    # The capacity graphs removed and made again with the helper's (step 3 on).
+    "bf16-regraph": ["--buckets", "1.0,1.25", "--regraph-at", "3"],
     "fp8-delayed": ["--buckets", "1.0,1.25", "--fp8", "delayed"],
     "fp8-tensorwise": ["--buckets", "1.0,1.25", "--fp8", "tensorwise"],
     "fp8-delayed-history-16-max": ["--buckets", "1.0,1.25", "--fp8", "delayed", "--fp8-amax-history", "16",
@@ -289,9 +297,12 @@ MODEL_PARALLEL_SETUPS = {
     "pp2-dropout": ["--pipeline-parallel", "2", "--dropout", "0.1", "--fusion", "1"],
     "pp2-rope-full-recompute": ["--pipeline-parallel", "2", "--rope", "1", "--dropout", "0.1", "--fusion", "1",
                                 "--recompute", "full"],
-    # Interleaved 1F1B: 2 chunks of one layer per stage, graphs captured in the interleaved order.
+    # Interleaved 1F1B: 2 chunks of one layer per stage, graphs captured in the interleaved order
+    # (and deleted and made again before step 3).
     "pp2-vpp2-dropout": ["--pipeline-parallel", "2", "--virtual-pipeline", "2", "--layers", "4", "--dropout", "0.1",
                          "--fusion", "1"],
+    "pp2-vpp2-regraph-dropout": ["--pipeline-parallel", "2", "--virtual-pipeline", "2", "--layers", "4",
+                                 "--regraph-at", "3", "--dropout", "0.1", "--fusion", "1"],
 }
 
 
