@@ -30,9 +30,10 @@ it is built with fusion off (``gradient_accumulation_fusion`` stays on for every
 
 ``--tensor-parallel N`` (with ``--sequence-parallel 1``) and ``--pipeline-parallel N`` (with
 ``--virtual-pipeline N`` model chunks per stage: the interleaved schedule) split the model
-over torchrun's ranks (the ranks left over are data parallel); ``--rope 1`` uses
-rotary position embeddings; ``--spec local`` builds megatron-core's own modules instead of
-TE's (with ``--fusion 0``)::
+over torchrun's ranks (the ranks left over are data parallel); ``--rope 1`` uses rotary
+position embeddings, ``--mtp 1`` adds a multi-token prediction layer, ``--spec local``
+builds megatron-core's own modules instead of TE's (with ``--fusion 0``), and
+``--regraph-at N`` deletes the graphs and makes them again before step N::
 
     torchrun --nproc-per-node 2 -m examples.megatron_gpt --pipeline-parallel 2 --out /tmp/run.pt
 
@@ -82,6 +83,7 @@ class RunConfig:
     # are NVIDIA apex's, so with fusion off)
     spec: str = "te"
     rope: bool = False  # rotary position embeddings (position_embedding_type="rope"), else learned ones
+    mtp: int = 0  # multi-token prediction layers (DeepSeek-V3's; the helper graphs their transformer layers too)
     # Model parallelism over torchrun's ranks: tensor parallel (with sequence parallel where
     # set) and pipeline parallel; the ranks left over are data parallel.
     tensor_parallel: int = 1
@@ -166,7 +168,7 @@ def _build(cfg: RunConfig) -> tuple[list, Any, Any]:
     from megatron.core.distributed import finalize_model_grads  # noqa: PLC0415
     from megatron.core.models.gpt import GPTModel  # noqa: PLC0415
     from megatron.core.models.gpt.gpt_layer_specs import (  # noqa: PLC0415
-        get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
+        get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec, get_gpt_mtp_block_spec)
     from megatron.core.num_microbatches_calculator import (  # noqa: PLC0415
         destroy_num_microbatches_calculator, init_num_microbatches_calculator)
     from megatron.core.tensor_parallel import layers as tp_layers  # noqa: PLC0415
@@ -210,7 +212,8 @@ def _build(cfg: RunConfig) -> tuple[list, Any, Any]:
         # take the same paths, and only the helper differs.
         cuda_graph_impl="transformer_engine",
         cuda_graph_warmup_steps=cfg.warmup_steps, gradient_accumulation_fusion=cfg.fusion,
-        transformer_impl="local" if cfg.spec == "local" else "transformer_engine", **fp8, **moe,
+        transformer_impl="local" if cfg.spec == "local" else "transformer_engine",
+        mtp_num_layers=cfg.mtp or None, **fp8, **moe,
     )
     if cfg.recompute == "full":
         # Megatron's __post_init__ refuses full recompute with per-layer graphs (its own
@@ -235,8 +238,11 @@ def _build(cfg: RunConfig) -> tuple[list, Any, Any]:
         # and the loss.
         chunks = []
         for vp_stage in range(cfg.virtual_pipeline) if cfg.virtual_pipeline > 1 else [None]:
+            mtp = None
+            if cfg.mtp:
+                mtp = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=cfg.spec == "te", vp_stage=vp_stage)
             chunks.append(GPTModel(
-                config, spec, vocab_size=cfg.vocab, max_sequence_length=cfg.seq, vp_stage=vp_stage,
+                config, spec, vocab_size=cfg.vocab, max_sequence_length=cfg.seq, vp_stage=vp_stage, mtp_block_spec=mtp,
                 pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
                 post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
                 position_embedding_type="rope" if cfg.rope else "learned_absolute"))

@@ -68,6 +68,8 @@ SETUPS = {
     "local-spec-full-recompute-dropout": ["--spec", "local", "--dropout", "0.1", "--fusion", "0", "--recompute", "full"],
     # Rotary embeddings: the helper captures each layer with the model's rotary_pos_emb as an input.
     "rope-dropout": ["--rope", "1", "--dropout", "0.1", "--fusion", "1"],
+    # A multi-token prediction layer (DeepSeek-V3's MTP): the helper graphs its transformer layer.
+    "mtp-rope-dropout": ["--mtp", "1", "--rope", "1", "--dropout", "0.1", "--fusion", "1"],
     # The helper's delete_cuda_graphs (each graphed callable reset) and create_cudagraphs again
     # before step 3, as a loop that turns graphs off and on would; with DDP's hooks run by hand too.
     "regraph-dropout": ["--regraph-at", "3", "--dropout", "0.1", "--fusion", "1"],
