@@ -121,7 +121,8 @@ class RunConfig:
     steps: int = 4
     warmup_steps: int = 1  # eager steps before the helper makes the graphs
     # Before this step (0: never), delete the graphs (the helper's delete_cuda_graphs, which
-    # resets each graphed callable) and make them again, as a loop that turns graphs off and on would.
+    # resets each graphed callable) and make them again with a new helper, as a loop that
+    # turns graphs off and on would.
     regraph_at: int = 0
     seed: int = 1234
     lr: float = 1e-3
@@ -316,10 +317,11 @@ def train(cfg: RunConfig) -> dict:
         integration.enable(recompute=True)  # the eager reference recomputes exactly too
     model, config, optimizer = _build(cfg)
     params = [p for chunk in model for p in chunk.parameters() if p.requires_grad]
-    helper = None
-    if cfg.graphs != "eager":
-        helper = TECudaGraphHelper(model=model, config=config, seq_length=cfg.seq, micro_batch_size=cfg.micro_batch,
-                                   optimizers=[optimizer] if optimizer is not None else [])
+    def new_helper() -> Any:
+        return TECudaGraphHelper(model=model, config=config, seq_length=cfg.seq, micro_batch_size=cfg.micro_batch,
+                                 optimizers=[optimizer] if optimizer is not None else [])
+
+    helper = new_helper() if cfg.graphs != "eager" else None
     step_fn = get_forward_backward_func()
     # One iterator per model chunk (the interleaved schedule takes a list), each over the same
     # batches: the first chunk reads the tokens, the last the labels.
@@ -340,6 +342,7 @@ def train(cfg: RunConfig) -> dict:
             for d in dropless:
                 d.remove()
             helper.delete_cuda_graphs()
+            helper = new_helper()  # megatron-core 0.19's helper captures once (_capture_finished stays set)
             dropless = _make_graphs(cfg, model, helper)
         for chunk in model:
             chunk.zero_grad_buffer()

@@ -11,7 +11,8 @@ import torch
 
 from .layout import InputLayout, describe
 from . import compat
-from .frozen import hooks_run_around
+from .frozen import hooks_outside_graphs
+from .integrations import megatron
 from .graphed import graphed_callable_of
 from .te_support import is_quantized_tensor
 
@@ -90,6 +91,9 @@ def check_modules(callables: Sequence[Callable]) -> None:
         if not isinstance(c, torch.nn.Module):
             continue
         modes.setdefault(c.training, index)
+        # A megatron-core layer its helper graphs (routed) runs some submodules only after the replay.
+        routed = megatron.capture_entry(c) is not None
+        outside = hooks_outside_graphs(c, routed)
         for name, module in c.named_modules():
             where = f"submodule {name!r} of callable {index}" if name else f"callable {index}"
             # Transformer Engine's modules that accumulate weight gradients into main_grad.
@@ -113,12 +117,14 @@ def check_modules(callables: Sequence[Callable]) -> None:
                     "the two."
                 )
             hooks = compat.module_hook_dicts(module)
-            if hooks and name not in hooks_run_around(c):
+            if hooks and name not in outside:
+                after = ("megatron-core's helper replays the layer's graphs without nn.Module.__call__, so not even "
+                         "hooks on the layer itself run at replay" if routed else
+                         "hooks registered on the module after graphing run around the graphed forward")
                 raise ValueError(
                     f"make_graphed_callables: {where} has hooks registered ({', '.join(hooks)}); "
-                    "hooks would run only during capture, never at replay. Remove them before "
-                    "graphing (hooks registered on the module after graphing run around the "
-                    "graphed forward), or pass them as capture_time_hooks=... to run them "
+                    f"hooks would run only during capture, never at replay. Remove them before "
+                    f"graphing ({after}), or pass them as capture_time_hooks=... to run them "
                     "while the graphs are prepared."
                 )
         for name, p in c.named_parameters():

@@ -34,7 +34,7 @@ from . import compat
 from .integrations import megatron
 from .module_state import MODULE_INTERNALS
 
-__all__ = ["Settings", "FrozenModule", "Fingerprint", "hooks_run_around"]
+__all__ = ["Settings", "FrozenModule", "Fingerprint", "hooks_outside_graphs"]
 
 # Attribute values compared by identity at every call (a new object equal to the old one
 # is taken in on the slow path). Integers are left out: frameworks keep per-call counters
@@ -46,13 +46,18 @@ _requires_grad = operator.attrgetter("requires_grad")
 _data_ptr = torch.Tensor.data_ptr
 
 
-def hooks_run_around(module: torch.nn.Module) -> frozenset:
-    """The submodules (qualified names) of a graphed module whose own hooks run around the
-    call of the graphs, never inside them, as its class declares in ``_hooks_run_around``:
-    ``integrations.moe_experts`` graphs a program that runs an experts module that megatron-core
-    calls through ``nn.Module.__call__``, which replays the graphs. Their hooks are neither
-    refused at graphing nor watched after; their submodules' are, as any submodule's."""
-    return frozenset(getattr(module, "_hooks_run_around", ()))
+def hooks_outside_graphs(module: torch.nn.Module, routed: bool) -> frozenset:
+    """The submodules (qualified names) of a graphed module whose own hooks run outside its
+    graphs, never inside them, so that they are neither refused at graphing nor watched after:
+
+    * those its class declares in ``_hooks_run_around``: ``integrations.moe_experts`` graphs
+      a program around an experts module that megatron-core calls through
+      ``nn.Module.__call__``, which replays the graphs (its submodules' hooks are watched);
+    * of a megatron-core layer graphed through its helper's scopes (``routed``), those the
+      graphs never run, which run eagerly after the replay
+      (``integrations.megatron.submodules_run_eagerly``)."""
+    declared = frozenset(getattr(module, "_hooks_run_around", ()))
+    return declared | megatron.submodules_run_eagerly(module) if routed else declared
 
 
 def _handles_made() -> int:
@@ -128,7 +133,7 @@ class FrozenModule:
         hook_reasons: list[str] = []
         params: list[tuple[str, torch.Tensor]] = []
         main_grads: list[tuple[str, torch.Tensor]] = []
-        around = hooks_run_around(module)
+        outside = hooks_outside_graphs(module, routed)
         seen: set[int] = set()
         for prefix, sub in module.named_modules():
             if id(sub) in seen:
@@ -150,12 +155,13 @@ class FrozenModule:
                         values.append(value)
             # The graphed module's own hooks run around the graphed forward, unless its class
             # routes the call to the graphs before nn.Module.__call__ runs them.
-            if (prefix or routed) and prefix not in around:
+            if (prefix or routed) and prefix not in outside:
                 for kind in _HOOK_KINDS:
                     hook_tables.append(getattr(sub, kind))
                     hook_names.append(f"{kind[1:].replace('_', ' ')} on {where}")
                     hook_kinds.append(kind)
-                    hook_reasons.append(_SUBMODULE_HOOKS if prefix else _ROUTED_HOOKS)
+                    hook_reasons.append(_ROUTED_HOOKS if not prefix else
+                                        _ROUTED_SUBMODULE_HOOKS if routed else _SUBMODULE_HOOKS)
             fused = getattr(sub, "fuse_wgrad_accumulation", False) is True
             for name, p in compat.parameter_slots(sub).items():
                 if p is not None:
@@ -184,9 +190,11 @@ class FrozenModule:
         self._hook_keys = tuple(map(tuple, hook_tables))  # handle ids: a new hook has a new one
         self._handles_made = _handles_made()
         self._hooks_at_capture = tuple(tuple(table.values()) for table in hook_tables)
-        # The code of the hooks megatron-core's helper runs by hand, as the hooks were last
-        # accepted with: a helper that stops running them makes those hooks a change again.
-        self._run_by_hand = megatron.hooks_run_by_hand(module)
+        # The hooks megatron-core's helper runs by hand, as the hook tables were last accepted
+        # with: a helper that stops running them makes those hooks a change again. Its list
+        # object and length stand for it on the hot path (the helper assigns a new list).
+        self._manual = megatron.manual_hooks(module)
+        self._manual_len = len(self._manual or ())
         self._no_hooks = not any(self._hook_sizes)  # the usual case: one C-level any() per call
         self._params = tuple(p for _, p in params)
         self._param_names = tuple(name for name, _ in params)
@@ -220,7 +228,8 @@ class FrozenModule:
         """Whether every hook table holds the hooks it held at the last check: one integer
         compare while no hook was registered anywhere, else the tables' keys (a hook removed
         and another added keeps a table's size, never its keys)."""
-        if megatron.hooks_run_by_hand(self.module) != self._run_by_hand:
+        manual = megatron.manual_hooks(self.module)
+        if manual is not self._manual or len(manual or ()) != self._manual_len:
             return False
         made = _handles_made()
         if made == self._handles_made and made >= 0:
@@ -284,7 +293,8 @@ class FrozenModule:
             self._hook_sizes = sizes
             self._hook_keys = tuple(map(tuple, self._hook_tables))
             self._handles_made = made
-            self._run_by_hand = megatron_hooks
+            self._manual = megatron.manual_hooks(self.module)
+            self._manual_len = len(self._manual or ())
             self._no_hooks = not any(sizes)
         return found
 
@@ -292,6 +302,8 @@ class FrozenModule:
 _GONE = object()
 _SUBMODULE_HOOKS = ("hooks on a submodule run only while a graph is captured, never at replay (hooks on the "
                     "graphed module itself run around the graphed forward)")
+_ROUTED_SUBMODULE_HOOKS = ("hooks on a submodule the layer's graphs run are run only while the graphs are captured, "
+                           "never at replay")
 _ROUTED_HOOKS = ("megatron-core's __call__ replays this layer's graphs without nn.Module.__call__, so hooks on the "
                  "layer itself never run at replay, while an eager run would run them; remove the hook (a hook "
                  "that must run belongs outside the graphed layer, on the module that calls it)")

@@ -324,16 +324,20 @@ class AlltoAllLike:
     (AlltoAllLike(), 16, [7, 6], "every capacity is below the even share of 8 rows per expert (16 tokens, top-2 "
                                  "of 4 experts), which no routing fits"),
     (AlltoAllLike(), 16, [8], f"the module of its dispatcher's class ({__name__}) has no permute and unpermute"),
-    ("hooked", 16, [8], "its experts module has forward hooks, which run where megatron-core calls the experts "
-                        "(the dispatch graphs call their forward within)"),
+    ("forward-hooked", 16, [8], "its experts module has hooks, which run where megatron-core calls the experts "
+                                "(the dispatch graphs call their forward within)"),
+    ("backward-hooked", 16, [8], "its experts module has hooks, which run where megatron-core calls the experts "
+                                 "(the dispatch graphs call their forward within)"),
 ])
 def test_a_dispatch_span_the_layer_cannot_take_is_refused_by_name_and_auto_graphs_the_experts(
         dispatcher, tokens, capacities, why):
     layer = Layer()
-    hooked = dispatcher == "hooked"
-    if hooked:
-        dispatcher = AlltoAllLike()
+    if dispatcher == "forward-hooked":
         layer.experts.register_forward_hook(lambda module, args, output: None)
+    elif dispatcher == "backward-hooked":
+        layer.experts.register_full_backward_hook(lambda module, grad_input, grad_output: None)
+    if isinstance(dispatcher, str):
+        dispatcher = AlltoAllLike()
     layer.token_dispatcher = dispatcher
     layer.config.moe_router_topk, layer.config.num_moe_experts = 2, E
     with pytest.raises(ValueError, match=re.escape(
@@ -342,8 +346,7 @@ def test_a_dispatch_span_the_layer_cannot_take_is_refused_by_name_and_auto_graph
         graph_dropless_experts(layer, capacities, tokens=tokens, span="dispatch", probs_dtype=torch.float64,
                                eager_replay=True)
     assert "forward" not in layer.experts.__dict__ and "routed_experts_compute" not in layer.__dict__
-    if hooked:
-        return  # the experts span refuses hooked experts too (make_graphed_callables' submodule check)
+    # "auto" graphs the experts alone (hooks on the experts module run around those graphs).
     (installed,) = graph_dropless_experts(layer, capacities, tokens=tokens, probs_dtype=torch.float64,
                                           eager_replay=True)
     assert installed.span == "experts" and isinstance(layer.experts.__dict__["forward"].__self__, type(installed))

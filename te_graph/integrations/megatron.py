@@ -36,7 +36,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["enable", "disable", "enabled", "capture_entry", "hooks_run_by_hand", "checkpoint", "te_checkpoint"]
+__all__ = ["enable", "disable", "enabled", "capture_entry", "manual_hooks", "hooks_run_by_hand", "submodules_run_eagerly",
+           "checkpoint", "te_checkpoint"]
 
 _CUDA_GRAPHS = "megatron.core.transformer.cuda_graphs"
 # (module, attribute) pairs enable() replaces, with what it puts there.
@@ -97,8 +98,43 @@ def hooks_run_by_hand(layer: torch.nn.Module) -> frozenset:
 
     Hooks are told apart by their code: DDP makes one closure per submodule from one
     factory. Megatron-LM turns them off and on around evaluation and checkpoints."""
-    manual = getattr(layer, "cuda_graph_manual_hooks", None) or ()
-    return frozenset(getattr(hook, "__code__", None) for hook, _ in manual) - {None}
+    return frozenset(getattr(hook, "__code__", None) for hook, _ in manual_hooks(layer) or ()) - {None}
+
+
+def manual_hooks(layer: torch.nn.Module) -> Optional[list]:
+    """The list object of ``(hook, args)`` megatron-core's helper runs by hand before each
+    replay of ``layer`` (``cuda_graph_manual_hooks``), or None. The helper assigns a new list
+    when it sets them up or deletes the graphs, so the object and its length tell a cheap
+    per-call check whether :func:`hooks_run_by_hand` may have changed."""
+    return getattr(layer, "cuda_graph_manual_hooks", None)
+
+
+def submodules_run_eagerly(layer: torch.nn.Module) -> frozenset:
+    """The qualified names of the submodules of a megatron-core ``TransformerLayer`` graphed
+    through its helper's scopes (``cuda_graph_modules``) that its graphs never run: they run
+    eagerly before or after the replay, so hooks on them run as in eager. As megatron-core
+    0.19's ``_te_cuda_graph_capture`` and ``_te_cuda_graph_replay`` split the layer: without
+    the ``attn`` scope the attention side (layernorm, attention, their bias-dropout-adds);
+    with an MoE layer's ``moe_router`` scope its routed experts (the router, the dispatch
+    preprocessing and non-overlapped shared experts are in the graph); with no MLP scope
+    the MLP side. Empty where the whole layer is graphed or the layer is not megatron-core's
+    (only what is named here is exempt: a module of a scope's side that megatron-core does
+    not list, such as a bias-dropout-add module, runs in the graph)."""
+    scopes = getattr(getattr(layer, "config", None), "cuda_graph_modules", None)
+    if not scopes or not hasattr(layer, "_te_cuda_graph_capture") or not hasattr(layer, "mlp"):
+        return frozenset()
+    scopes = {str(getattr(s, "name", s)).rsplit(".", 1)[-1] for s in scopes}
+    moe = bool(getattr(layer, "is_moe_layer", False))
+    roots = []
+    if "attn" not in scopes:
+        roots += ["input_layernorm", "self_attention", "self_attn_bda", "pre_cross_attn_layernorm", "cross_attention",
+                  "cross_attn_bda"]
+    if moe and "moe_router" in scopes and "moe" not in scopes:
+        roots.append("mlp.experts")
+    elif not (("mlp" in scopes and not moe) or (moe and ({"moe", "moe_router"} & scopes))):
+        roots += ["pre_mlp_layernorm", "mlp", "mlp_bda"]
+    return frozenset(name for name, _ in layer.named_modules()
+                     if any(name == root or name.startswith(root + ".") for root in roots))
 
 
 def checkpoint(function: Callable, distribute_saved_activations: bool, *args: Any) -> Any:

@@ -40,6 +40,8 @@ import torch
 
 from checkpointing.recompute_state import cuda_stream_capturing
 
+from .. import compat
+
 from .moe_experts import DroplessExperts, padded_layout
 
 __all__ = ["DroplessDispatch", "PaddedDispatch", "capacity_shape", "dispatch_refusal", "dispatch_samples",
@@ -59,7 +61,6 @@ def dispatch_refusal(layer: torch.nn.Module) -> Optional[str]:
         return (f"its experts are split over ranks (expert-parallel size {dispatcher.ep_size}, expert "
                 f"tensor-parallel size {dispatcher.tp_size}): the alltoall's split sizes come from the host")
     experts = layer.experts
-    modules = torch.nn.modules.module
     scopes = [str(m).rsplit(".", 1)[-1] for m in (getattr(config, "cuda_graph_modules", None) or ())]
     reasons = [
         (getattr(dispatcher, "drop_and_pad", False), "it routes with drop-and-pad"),
@@ -70,9 +71,8 @@ def dispatch_refusal(layer: torch.nn.Module) -> Optional[str]:
          "it swaps in an inference dispatcher (transformer_impl='inference_optimized')"),
         (getattr(config, "cuda_graph_impl", None) == "local" and {"moe_router", "moe_preprocess"} & set(scopes),
          "megatron-core's own graphs (cuda_graph_impl='local') split its forward at the router"),
-        (experts._forward_pre_hooks or experts._forward_hooks or modules._global_forward_pre_hooks
-         or modules._global_forward_hooks,
-         "its experts module has forward hooks, which run where megatron-core calls the experts "
+        (compat.module_hook_dicts(experts) or any(table for _, table in compat.global_module_hook_dicts()),
+         "its experts module has hooks, which run where megatron-core calls the experts "
          "(the dispatch graphs call their forward within)"),
         (getattr(dispatcher, "shared_experts", None) is not None,
          "its shared experts overlap the dispatch (moe_shared_expert_overlap)"),

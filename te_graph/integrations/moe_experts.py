@@ -51,8 +51,9 @@ _SPANS = ("auto", "experts", "dispatch")
 
 class _Padded(torch.nn.Module):
     """The experts on a padded layout: ``hidden`` holds ``C`` rows per local expert.
-    ``owner``: the megatron-core layer holding them (or None), whose helper's manual hooks
-    tell megatron-core DDP's forward pre-hooks apart (``cuda_graph_manual_hooks``)."""
+    ``ddp_hook``: a forward pre-hook made by the megatron-core DDP wrapping the model (its
+    code tells DDP's hooks apart), else None; then ``owner``, the megatron-core layer holding
+    the experts (or None), tells them apart by its helper's manual hooks."""
 
     # Graphed alone (span "experts"), these graphs replay inside the experts module's own
     # forward, which megatron-core calls through nn.Module.__call__: hooks on that module run
@@ -62,22 +63,25 @@ class _Padded(torch.nn.Module):
     _hooks_run_around = ("experts",)
 
     def __init__(self, experts: torch.nn.Module, forward: Callable, num_experts: int,
-                 owner: Optional[torch.nn.Module] = None):
+                 owner: Optional[torch.nn.Module] = None, ddp_hook: Optional[Callable] = None):
         super().__init__()
         self.experts = experts
         self._forward = forward  # the class's forward, bound (the instance's is replaced)
         self.num_experts = num_experts
-        self.__dict__["_owner"] = owner  # not a submodule: the layer is not part of this program
+        # Not submodules or state of this program: the layer holding it, and DDP's hook.
+        self.__dict__["_owner"] = owner
+        self.__dict__["_ddp_hooks"] = [(ddp_hook, ())] if ddp_hook is not None else None
 
     @property
-    def cuda_graph_manual_hooks(self) -> list:
-        """The forward pre-hooks of megatron-core's DDP (``overlap_param_gather``) that the
-        layer's helper runs by hand before its graphs' replays (``cuda_graph_set_manual_hooks``):
-        those DDP puts on the experts' submodules pass the per-call check of the capacity graphs
-        (``integrations.megatron.hooks_run_by_hand``), which run them by hand before each
-        replay too (:meth:`DroplessExperts._run_ddp_pre_hooks`)."""
-        owner = self.__dict__["_owner"]
-        return list(getattr(owner, "cuda_graph_manual_hooks", None) or ())
+    def cuda_graph_manual_hooks(self) -> Optional[list]:
+        """The forward pre-hooks of megatron-core's DDP (``overlap_param_gather``) these graphs
+        run by hand, in the form of megatron-core's helper's ``cuda_graph_manual_hooks``: those
+        DDP puts on the experts' submodules pass the per-call check of the capacity graphs
+        (``integrations.megatron.hooks_run_by_hand``) and run before each replay
+        (:meth:`DroplessExperts._run_ddp_pre_hooks`). Without the DDP wrapper, those the
+        layer's helper runs (its list object itself: the per-call check goes by its identity)."""
+        ddp_hooks = self.__dict__["_ddp_hooks"]
+        return ddp_hooks if ddp_hooks is not None else megatron.manual_hooks(self.__dict__["_owner"])
 
     def forward(self, hidden: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         capacity = hidden.shape[0] // self.num_experts
@@ -297,13 +301,17 @@ def graph_dropless_experts(
                          "pool= unset.")
     wanted = sorted({int(c) for c in capacities}, reverse=True)
     plans = [_span_of(layer, span, tokens, wanted) for layer in layers]  # every refusal before anything is graphed
-    # The megatron-core layer holding each MoE layer (as its MLP), whose helper runs DDP's hooks.
+    # megatron-core DDP's forward pre-hooks, told apart by the code of one its wrapper makes
+    # (megatron-core's helper makes its manual hooks so), else by the helper's manual hooks
+    # of the layer holding each MoE layer as its MLP.
+    make_hook = getattr(model, "_make_forward_pre_hook", None)
+    ddp_hook = make_hook() if callable(make_hook) else None
     owners = {id(m.mlp): m for m in model.modules() if isinstance(getattr(m, "mlp", None), torch.nn.Module)}
     installed: list[DroplessExperts] = []
     try:
         for layer, (layer_span, layer_capacities) in zip(layers, plans):
-            installed.append(_install(layer, owners.get(id(layer)), layer_span, layer_capacities, tokens, probs_dtype,
-                                      _OVERFLOW_ROWS[overflow], eager_replay, graph_options))
+            installed.append(_install(layer, owners.get(id(layer)), ddp_hook, layer_span, layer_capacities, tokens,
+                                      probs_dtype, _OVERFLOW_ROWS[overflow], eager_replay, graph_options))
     except BaseException:
         for done in installed:  # a failure leaves the model as it was
             done.remove()
@@ -348,9 +356,9 @@ def _span_of(layer: torch.nn.Module, span: str, tokens: Optional[int], largest_f
     return "experts", largest_first
 
 
-def _install(layer: torch.nn.Module, owner: Optional[torch.nn.Module], span: str, largest_first: list[int],
-             tokens: Optional[int], probs_dtype: Optional[torch.dtype], overflow_rows: Optional[int],
-             eager_replay: Optional[bool], graph_options: dict) -> DroplessExperts:
+def _install(layer: torch.nn.Module, owner: Optional[torch.nn.Module], ddp_hook: Optional[Callable], span: str,
+             largest_first: list[int], tokens: Optional[int], probs_dtype: Optional[torch.dtype],
+             overflow_rows: Optional[int], eager_replay: Optional[bool], graph_options: dict) -> DroplessExperts:
     import te_graph  # noqa: PLC0415
 
     from . import moe_dispatch  # noqa: PLC0415  (moe_dispatch builds on this module)
@@ -365,7 +373,7 @@ def _install(layer: torch.nn.Module, owner: Optional[torch.nn.Module], span: str
     # The router computes in moe_router_dtype where set, else in the activations' dtype,
     # and dispatch permutes its probabilities as they are.
     probs = probs_dtype or _ROUTER_DTYPES.get(getattr(layer.config, "moe_router_dtype", None), dtype)
-    padded = _Padded(experts, type(experts).forward.__get__(experts), num_experts, owner)
+    padded = _Padded(experts, type(experts).forward.__get__(experts), num_experts, owner, ddp_hook)
     if span == "dispatch":
         program: torch.nn.Module = moe_dispatch.PaddedDispatch(
             padded, moe_dispatch.module_of(layer.token_dispatcher).unpermute, bool(layer.config.moe_permute_fusion))
