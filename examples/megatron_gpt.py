@@ -18,7 +18,8 @@ rank before its suffix, ``run.rank1.pt``)::
         --graph-modules attn,moe_router,moe_preprocess --out /tmp/run.pt
 
 What it does, in Megatron's order: seed (TE's RNG tracker, before the model is built),
-build GPTModel with the TE layer spec (or ``--spec local``, megatron-core's own modules) (bf16, one ``main_grad`` buffer through DDP), train
+build GPTModel with the TE layer spec (``--spec local``: megatron-core's own modules; bf16, one
+``main_grad`` buffer through DDP), train
 ``--warmup-steps`` steps eagerly, make the graphs with the helper, train on. Each step:
 ``zero_grad_buffer()``, Megatron's schedule over ``--microbatches``, then a plain SGD step on
 ``main_grad`` (in place: the graphs read the parameters by address), or with ``--optimizer
@@ -162,8 +163,8 @@ def setup_process(expert_parallel: int = 1, tensor_parallel: int = 1, pipeline_p
 
 
 def _build(cfg: RunConfig) -> tuple[list, Any, Any]:
-    """Seed, then the model (GPTModel, TE spec) wrapped as Megatron trains it, and its
-    Megatron optimizer (None for plain SGD)."""
+    """Seed, then the model (GPTModel, one per model chunk, with the TE or the local layer
+    spec) wrapped as Megatron trains it, and its Megatron optimizer (None for plain SGD)."""
     from megatron.core import parallel_state  # noqa: PLC0415
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: PLC0415
     from megatron.core.distributed import finalize_model_grads  # noqa: PLC0415
@@ -307,6 +308,9 @@ def train(cfg: RunConfig) -> dict:
     if cfg.overlap_param_gather and not cfg.dist_opt:
         raise ValueError("--overlap-param-gather needs --dist-opt 1 (DDP overlaps the all-gathers of the "
                          "distributed optimizer's parameter shards).")
+    if cfg.regraph_at and cfg.regraph_at <= cfg.warmup_steps:
+        raise ValueError(f"--regraph-at {cfg.regraph_at} must come after the graphs are first made (step "
+                         f"{cfg.warmup_steps}, --warmup-steps).")
     if cfg.expert_parallel > 1 and not cfg.experts:
         raise ValueError("--expert-parallel splits the experts over ranks: it needs --experts.")
     setup_process(cfg.expert_parallel, cfg.tensor_parallel, cfg.pipeline_parallel, cfg.virtual_pipeline)
@@ -338,7 +342,7 @@ def train(cfg: RunConfig) -> dict:
             record["graphed_with"] = type(model[0].module.module.decoder.layers[0].cuda_graphs[0]).__module__
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-        if helper is not None and step == cfg.regraph_at > cfg.warmup_steps:
+        if helper is not None and step == cfg.regraph_at:
             for d in dropless:
                 d.remove()
             helper.delete_cuda_graphs()

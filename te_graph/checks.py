@@ -5,6 +5,7 @@ Each error says what is wrong and what to do; docs/troubleshooting.md lists them
 from __future__ import annotations
 
 import inspect
+import itertools
 from typing import Any, Callable, Sequence
 
 import torch
@@ -94,6 +95,17 @@ def check_modules(callables: Sequence[Callable]) -> None:
         # A megatron-core layer its helper graphs (routed) runs some submodules only after the replay.
         routed = megatron.capture_entry(c) is not None
         outside = hooks_outside_graphs(c, routed)
+        # Hooks for every module (torch.nn.modules.module.register_module_*) run for the
+        # submodules only while the graphs are captured (and for a megatron-core layer, not
+        # even around its replays); the per-call check takes them as they are at capture.
+        global_hooks = [kind for kind, table in compat.global_module_hook_dicts() if table]
+        if global_hooks and (routed or next(itertools.islice(c.modules(), 1, None), None) is not None):
+            raise ValueError(
+                f"make_graphed_callables: global module hooks are registered ({', '.join(global_hooks)}: "
+                f"torch.nn.modules.module.register_module_*); they run for the submodules of callable {index} "
+                "only while its graphs are captured, never at replay. Remove them before graphing, or pass "
+                "hooks as capture_time_hooks=... to run them while the graphs are prepared."
+            )
         for name, module in c.named_modules():
             where = f"submodule {name!r} of callable {index}" if name else f"callable {index}"
             # Transformer Engine's modules that accumulate weight gradients into main_grad.

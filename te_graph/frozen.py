@@ -131,6 +131,7 @@ class FrozenModule:
         hook_names: list[str] = []
         hook_kinds: list[str] = []
         hook_reasons: list[str] = []
+        hook_owners: list[Optional[torch.nn.Module]] = []  # the module of each table (None: global)
         params: list[tuple[str, torch.Tensor]] = []
         main_grads: list[tuple[str, torch.Tensor]] = []
         outside = hooks_outside_graphs(module, routed)
@@ -162,6 +163,7 @@ class FrozenModule:
                     hook_kinds.append(kind)
                     hook_reasons.append(_ROUTED_HOOKS if not prefix else
                                         _ROUTED_SUBMODULE_HOOKS if routed else _SUBMODULE_HOOKS)
+                    hook_owners.append(sub)
             fused = getattr(sub, "fuse_wgrad_accumulation", False) is True
             for name, p in compat.parameter_slots(sub).items():
                 if p is not None:
@@ -177,7 +179,8 @@ class FrozenModule:
             hook_tables.append(table)
             hook_names.append(f"global module {kind} (torch.nn.modules.module.register_module_{kind[:-1]})")
             hook_kinds.append(kind)
-            hook_reasons.append(_SUBMODULE_HOOKS)
+            hook_reasons.append(_ROUTED_SUBMODULE_HOOKS if routed else _SUBMODULE_HOOKS)
+            hook_owners.append(None)
         self._slots = tuple(slots)
         self._tables = tuple(s.table for s in slots)
         self._keys = tuple(s.key for s in slots)
@@ -186,6 +189,7 @@ class FrozenModule:
         self._hook_names = tuple(hook_names)
         self._hook_kinds = tuple(hook_kinds)
         self._hook_reasons = tuple(hook_reasons)
+        self._hook_owners = tuple(hook_owners)
         self._hook_sizes = tuple(map(len, hook_tables))
         self._hook_keys = tuple(map(tuple, hook_tables))  # handle ids: a new hook has a new one
         self._handles_made = _handles_made()
@@ -277,14 +281,18 @@ class FrozenModule:
         made = _handles_made()
         sizes = tuple(map(len, self._hook_tables))
         megatron_hooks = megatron.hooks_run_by_hand(self.module)
-        for name, kind, reason, table, captured in zip(self._hook_names, self._hook_kinds, self._hook_reasons,
-                                                       self._hook_tables, self._hooks_at_capture):
+        by_hand = megatron.modules_run_by_hand(self.module)
+        for name, kind, reason, owner, table, captured in zip(self._hook_names, self._hook_kinds, self._hook_reasons,
+                                                              self._hook_owners, self._hook_tables,
+                                                              self._hooks_at_capture):
             now = tuple(table.values())
             if _same(now, captured):
                 continue
-            # Forward pre-hooks of megatron-core's DDP, which its TECudaGraphHelper runs by hand.
-            if kind == "_forward_pre_hooks" and _same(_leaving_out(now, megatron_hooks),
-                                                      _leaving_out(captured, megatron_hooks)):
+            # Forward pre-hooks of megatron-core's DDP where they are run by hand before each
+            # replay (megatron-core's TECudaGraphHelper) or do nothing (no parameters of its own).
+            if (kind == "_forward_pre_hooks" and owner is not None
+                    and (id(owner) in by_hand or next(owner.parameters(recurse=False), None) is None)
+                    and _same(_leaving_out(now, megatron_hooks), _leaving_out(captured, megatron_hooks))):
                 continue
             counts = f"{len(captured)} -> {len(now)}" + (", other hooks" if len(now) == len(captured) else "")
             found.append(f"{name} changed ({counts}); {reason}")

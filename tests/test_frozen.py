@@ -142,11 +142,12 @@ def _make_forward_pre_hook():
 def test_ddp_pre_hooks_megatrons_helper_runs_by_hand_pass_in_any_order_and_others_are_refused():
     """megatron-core with ``overlap_param_gather``: DDP's forward pre-hooks go on every
     submodule after capture, the helper's ``cuda_graph_manual_hooks`` runs those of the
-    submodules with parameters in the graph's scope before each replay (here lin1 alone: lin2
-    stands for a submodule outside the scope, which runs eagerly); Megatron-LM turns them off
-    and on."""
+    submodules with parameters under the graph's scopes before each replay (here lin1 and
+    lin2), and those of modules without parameters of their own do nothing; Megatron-LM
+    turns them off and on. One on a submodule with parameters that the helper does not run
+    would be skipped: refused."""
     m = _graphed()
-    m.cuda_graph_manual_hooks = [(_make_forward_pre_hook(), (m.lin1,))]
+    m.cuda_graph_manual_hooks = [(_make_forward_pre_hook(), (m.lin1,)), (_make_forward_pre_hook(), (m.lin2,))]
     for _ in range(2):  # DDP's enable_forward_pre_hook / disable_forward_pre_hook, twice
         handles = [sub.register_forward_pre_hook(_make_forward_pre_hook()) for sub in m.modules()]
         m(_x()).sum().backward()
@@ -157,6 +158,8 @@ def test_ddp_pre_hooks_megatrons_helper_runs_by_hand_pass_in_any_order_and_other
     m(_x()).sum().backward()
     manual, m.cuda_graph_manual_hooks = m.cuda_graph_manual_hooks, []  # the helper stops running them
     _refused(m, "callable 0 (Net): since graphing, forward pre hooks on submodule 'lin1' changed (0 -> 1); ")
+    m.cuda_graph_manual_hooks = manual[:1]  # ... or runs lin1's alone: lin2's all-gather wait would be skipped
+    _refused(m, "callable 0 (Net): since graphing, forward pre hooks on submodule 'lin2' changed (0 -> 1); ")
     m.cuda_graph_manual_hooks = manual
     for handle in handles:
         handle.remove()
@@ -167,7 +170,7 @@ def test_ddp_pre_hooks_megatrons_helper_runs_by_hand_pass_in_any_order_and_other
 
 def test_a_hook_swapped_for_another_keeps_the_count_and_is_still_refused():
     """After an accepted change the fast path knows the new hooks: a DDP hook later swapped
-    for a user's (same count per table) is refused, as is a swapped global hook."""
+    for a user's (same count per table) is refused, as is a global hook added after graphing."""
     m = _graphed()
     m.cuda_graph_manual_hooks = [(_make_forward_pre_hook(), (m.lin1,))]
     handle = m.lin1.register_forward_pre_hook(_make_forward_pre_hook())
@@ -176,19 +179,37 @@ def test_a_hook_swapped_for_another_keeps_the_count_and_is_still_refused():
     m.lin1.register_forward_pre_hook(lambda module, args: (args[0] * 2,))
     _refused(m, "callable 0 (Net): since graphing, forward pre hooks on submodule 'lin1' changed "
                 "(0 -> 1); ")
-    first = torch.nn.modules.module.register_module_forward_pre_hook(lambda *_: None)
+    m = _graphed()
+    m(_x()).sum().backward()
+    hook = torch.nn.modules.module.register_module_forward_pre_hook(lambda *_: None)
     try:
-        m = _graphed()
-        m(_x()).sum().backward()
-        first.remove()
-        second = torch.nn.modules.module.register_module_forward_pre_hook(lambda *_: None)
-        try:
-            _refused(m, "callable 0 (Net): since graphing, global module forward_pre_hooks "
-                        "(torch.nn.modules.module.register_module_forward_pre_hook) changed (1 -> 1, other hooks); ")
-        finally:
-            second.remove()
+        _refused(m, "callable 0 (Net): since graphing, global module forward_pre_hooks "
+                    "(torch.nn.modules.module.register_module_forward_pre_hook) changed (0 -> 1); ")
     finally:
-        first.remove()
+        hook.remove()
+
+
+def test_global_module_hooks_at_graphing_are_refused_where_they_would_run_only_at_capture():
+    """A hook for every module (register_module_forward_hook, ...) runs for a graphed module's
+    submodules only while its graphs are captured: refused at graphing, before anything runs
+    (it used to be taken into the per-call check as it was, and skipped at every replay). A
+    module without submodules is called through nn.Module.__call__: there it runs around each
+    call, as in eager."""
+    seen = []
+    hook = torch.nn.modules.module.register_module_forward_hook(lambda module, args, out: seen.append(type(module)))
+    try:
+        with pytest.raises(ValueError, match=re.escape(
+                "make_graphed_callables: global module hooks are registered (forward_hooks: "
+                "torch.nn.modules.module.register_module_*); they run for the submodules of callable 0 only "
+                "while its graphs are captured, never at replay.")):
+            _graphed()
+        assert seen == []
+        leaf = make_graphed_callables(nn.Linear(H, H), (_x(),), eager_replay=True)
+        seen.clear()
+        leaf(_x()).sum().backward()
+        assert seen == [nn.Linear]
+    finally:
+        hook.remove()
 
 
 def test_a_submodule_mode_or_hyperparameter_changed_is_refused_and_one_set_again_is_not():

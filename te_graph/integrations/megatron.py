@@ -36,8 +36,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["enable", "disable", "enabled", "capture_entry", "manual_hooks", "hooks_run_by_hand", "submodules_run_eagerly",
-           "checkpoint", "te_checkpoint"]
+__all__ = ["enable", "disable", "enabled", "capture_entry", "manual_hooks", "hooks_run_by_hand", "modules_run_by_hand",
+           "submodules_run_eagerly", "checkpoint", "te_checkpoint"]
 
 _CUDA_GRAPHS = "megatron.core.transformer.cuda_graphs"
 # (module, attribute) pairs enable() replaces, with what it puts there.
@@ -87,18 +87,26 @@ def capture_entry(module: torch.nn.Module) -> Optional[Callable]:
 def hooks_run_by_hand(layer: torch.nn.Module) -> frozenset:
     """The code of the forward pre-hooks megatron-core's DDP puts on ``layer``'s submodules
     (``overlap_param_gather``), as its helper's ``cuda_graph_manual_hooks`` holds them, or
-    nothing where the helper runs none by hand. Such hooks may come and go after graphing:
+    nothing where the helper runs none by hand. Such hooks may come and go after graphing;
+    the per-call check (``frozen``) accepts them
 
-    * on a submodule with parameters of its own under the graph's scope, the helper runs
-      them before each replay (``setup_manual_hooks`` lists every one of those);
-    * on a submodule with parameters outside that scope (``cuda_graph_modules`` graphing a
-      part of the layer), they run when it runs, eagerly, after the graph;
-    * on a submodule without parameters of its own they do nothing (they wait for those
-      parameters' all-gather).
+    * on a submodule the helper runs them for before each replay (:func:`modules_run_by_hand`:
+      megatron-core's ``setup_manual_hooks`` lists the submodules with parameters of their
+      own under the graph's scopes);
+    * on a submodule without parameters of its own, where they do nothing (they wait for
+      those parameters' all-gather);
 
-    Hooks are told apart by their code: DDP makes one closure per submodule from one
-    factory. Megatron-LM turns them off and on around evaluation and checkpoints."""
+    and where hooks run eagerly anyway (:func:`submodules_run_eagerly`). On any other
+    submodule with parameters they would be skipped, and are refused. Hooks are told apart
+    by their code: DDP makes one closure per submodule from one factory. Megatron-LM turns
+    them off and on around evaluation and checkpoints."""
     return frozenset(getattr(hook, "__code__", None) for hook, _ in manual_hooks(layer) or ()) - {None}
+
+
+def modules_run_by_hand(layer: torch.nn.Module) -> frozenset:
+    """The ids of the modules whose DDP forward pre-hooks the helper runs by hand before each
+    replay of ``layer`` (the arguments of its ``cuda_graph_manual_hooks``)."""
+    return frozenset(id(m) for _, args in manual_hooks(layer) or () for m in args if isinstance(m, torch.nn.Module))
 
 
 def manual_hooks(layer: torch.nn.Module) -> Optional[list]:
@@ -115,11 +123,14 @@ def submodules_run_eagerly(layer: torch.nn.Module) -> frozenset:
     eagerly before or after the replay, so hooks on them run as in eager. As megatron-core
     0.19's ``_te_cuda_graph_capture`` and ``_te_cuda_graph_replay`` split the layer: without
     the ``attn`` scope the attention side (layernorm, attention, their bias-dropout-adds);
-    with an MoE layer's ``moe_router`` scope its routed experts (the router, the dispatch
-    preprocessing and non-overlapped shared experts are in the graph); with no MLP scope
-    the MLP side. Empty where the whole layer is graphed or the layer is not megatron-core's
-    (only what is named here is exempt: a module of a scope's side that megatron-core does
-    not list, such as a bias-dropout-add module, runs in the graph)."""
+    with an MoE layer's ``moe_router`` scope its routed experts (the router, with
+    ``moe_preprocess`` the dispatch preprocessing, and non-overlapped shared experts are in
+    the graph); with no MLP scope
+    the MLP side. Empty where the whole layer is graphed or the layer is not megatron-core's.
+    Only what is named here is exempt, and only its hooks (a change of its mode or
+    parameters is still refused): some modules that also run eagerly (the MLP's
+    bias-dropout-add module, shared experts overlapped with the dispatch, latent
+    projections) are left out, refused rather than risked."""
     scopes = getattr(getattr(layer, "config", None), "cuda_graph_modules", None)
     if not scopes or not hasattr(layer, "_te_cuda_graph_capture") or not hasattr(layer, "mlp"):
         return frozenset()

@@ -57,7 +57,7 @@ class _Padded(torch.nn.Module):
 
     # Graphed alone (span "experts"), these graphs replay inside the experts module's own
     # forward, which megatron-core calls through nn.Module.__call__: hooks on that module run
-    # around the replay as they run around its eager forward (``frozen.hooks_run_around``).
+    # around the replay as they run around its eager forward (``frozen.hooks_outside_graphs``).
     # Inside the dispatch span's graphs the experts are not called at all: there this does
     # not apply (it is read of the graphed module only).
     _hooks_run_around = ("experts",)
@@ -68,20 +68,13 @@ class _Padded(torch.nn.Module):
         self.experts = experts
         self._forward = forward  # the class's forward, bound (the instance's is replaced)
         self.num_experts = num_experts
-        # Not submodules or state of this program: the layer holding it, and DDP's hook.
-        self.__dict__["_owner"] = owner
-        self.__dict__["_ddp_hooks"] = [(ddp_hook, ())] if ddp_hook is not None else None
+        self._by_hand = _DDPHooksByHand(owner, ddp_hook, modules_with_parameters(experts))
 
     @property
     def cuda_graph_manual_hooks(self) -> Optional[list]:
-        """The forward pre-hooks of megatron-core's DDP (``overlap_param_gather``) these graphs
-        run by hand, in the form of megatron-core's helper's ``cuda_graph_manual_hooks``: those
-        DDP puts on the experts' submodules pass the per-call check of the capacity graphs
-        (``integrations.megatron.hooks_run_by_hand``) and run before each replay
-        (:meth:`DroplessExperts._run_ddp_pre_hooks`). Without the DDP wrapper, those the
-        layer's helper runs (its list object itself: the per-call check goes by its identity)."""
-        ddp_hooks = self.__dict__["_ddp_hooks"]
-        return ddp_hooks if ddp_hooks is not None else megatron.manual_hooks(self.__dict__["_owner"])
+        """The forward pre-hooks of megatron-core's DDP these graphs run by hand
+        (:class:`_DDPHooksByHand`), as megatron-core's helper lists its own."""
+        return self._by_hand.listed()
 
     def forward(self, hidden: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         capacity = hidden.shape[0] // self.num_experts
@@ -91,6 +84,32 @@ class _Padded(torch.nn.Module):
             raise ValueError("te_graph.graph_dropless_experts: the experts return a bias; only experts without "
                              "one (add_bias_linear=False, as megatron-core's alltoall dispatcher requires) are graphed.")
         return output
+
+
+class _DDPHooksByHand:
+    """The forward pre-hooks of megatron-core's DDP (``overlap_param_gather``) that the
+    capacity graphs run by hand before each replay (:meth:`DroplessExperts._run_ddp_pre_hooks`),
+    listed as megatron-core's helper lists its own (``cuda_graph_manual_hooks``): DDP's hook with
+    each of the experts' submodules with parameters of their own, so that DDP's hooks there
+    pass the per-call check (``integrations.megatron.hooks_run_by_hand``). DDP's hook is one
+    made by the DDP wrapping the model (``ddp_hook``), else one the helper of the layer
+    holding the experts (``owner``) runs; no list without either. One list object per hook:
+    the per-call check goes by its identity."""
+
+    def __init__(self, owner: Optional[torch.nn.Module], ddp_hook: Optional[Callable], modules: list):
+        self.owner, self.ddp_hook, self.modules = owner, ddp_hook, modules
+        self._listed: Optional[list] = None
+
+    def listed(self) -> Optional[list]:
+        hook = self.ddp_hook
+        if hook is None:
+            owners = megatron.manual_hooks(self.owner)
+            hook = owners[0][0] if owners else None
+        if hook is None:
+            return None
+        if self._listed is None or (self._listed and self._listed[0][0] is not hook):
+            self._listed = [(hook, (m,)) for m in self.modules]
+        return self._listed
 
 
 class DroplessExperts:
@@ -120,7 +139,7 @@ class DroplessExperts:
         self._first_microbatch_flags = [m for m in experts.modules() if hasattr(m, "is_first_microbatch")]
         # The experts' submodules with parameters of their own, whose DDP forward pre-hooks
         # wait for their parameters' all-gather (overlap_param_gather).
-        self._param_modules = [m for m in experts.modules() if next(m.parameters(recurse=False), None) is not None]
+        self._param_modules = modules_with_parameters(experts)
         self._install()
 
     def _install(self) -> None:
@@ -217,6 +236,11 @@ class DroplessExperts:
 
         self.experts.__dict__.pop("forward", None)
         te_graph.reset(self.graphed)
+
+
+def modules_with_parameters(module: torch.nn.Module) -> list:
+    """``module`` and its submodules that hold parameters of their own."""
+    return [m for m in module.modules() if next(m.parameters(recurse=False), None) is not None]
 
 
 def skips_weight_update(wrappers: Sequence[Any]) -> bool:
