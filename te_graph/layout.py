@@ -162,6 +162,12 @@ class InputLayout:
                     f" Keywords left out at capture are accepted only as None where the "
                     f"callable defaults them to None; {sorted(extra - droppable)} are not."
                 )
+            if {"cuda_graph_stream", "cuda_graph_event"} & (extra - droppable):
+                hint += (
+                    " (megatron-core passes cuda_graph_stream and cuda_graph_event with its fine-grained "
+                    "activation offloading, to replay the graphs on a stream of its own: te_graph does not "
+                    "support that yet; turn fine_grained_activation_offloading off for graphed layers.)"
+                )
             raise ValueError(
                 f"{self.name}: called with keyword arguments {sorted(kwargs)}, but the graph was "
                 f"captured with {sorted(self.kw_keys)}; pass the same keywords as sample_kwargs."

@@ -457,6 +457,12 @@ def test_keywords_none_by_default_may_be_left_out_or_passed_as_none_and_nothing_
                 "with ['mask']; pass the same keywords as sample_kwargs. Keywords left out at capture are accepted only "
                 "as None where the callable defaults them to None; ['scale'] are not.",
              ValueError, lambda: m(_x(), mask=torch.ones(S, B, 1), scale=None))
+    # megatron-core's replay keywords of its fine-grained activation offloading are named.
+    _refused(m, "['cuda_graph_event', 'cuda_graph_stream'] are not. (megatron-core passes cuda_graph_stream and "
+                "cuda_graph_event with its fine-grained activation offloading, to replay the graphs on a stream of its "
+                "own: te_graph does not support that yet; turn fine_grained_activation_offloading off for graphed "
+                "layers.)",
+             ValueError, lambda: m(_x(), mask=torch.ones(S, B, 1), cuda_graph_stream=object(), cuda_graph_event=None))
 
 
 def test_nested_keywords_are_static_inputs_and_their_structure_is_checked():
