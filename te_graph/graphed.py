@@ -103,6 +103,11 @@ class GraphedCallable:
         head = queue[0][0] if queue else None
         (head if any(r is head for r in runners) else runners[0]).backward_dw()
 
+    def awaits_backward(self) -> bool:
+        """Whether one of its graphs holds the activations of a call whose backward has not run
+        (another call now would be refused: a graph reuses its activations at every call)."""
+        return any(runner.awaits_backward() for runner in self._runners.values())
+
     def reset(self) -> None:
         """Free this callable's graphs and static buffers; later calls raise (TE's reset()).
         A module whose forward this callable was gets its eager forward back (and loses the

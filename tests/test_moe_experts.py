@@ -140,6 +140,34 @@ def test_hooks_on_the_experts_module_run_around_each_call_and_hooks_inside_it_ar
         graph_dropless_experts(graphed, [8], probs_dtype=torch.float64, eager_replay=True)
 
 
+def test_a_call_while_an_earlier_one_waits_for_its_backward_runs_the_padded_program_eagerly():
+    """Several microbatches in flight (a pipeline schedule's forwards before their backwards):
+    the graphs of a layer share their buffers, so a call while an earlier one still waits for
+    its backward runs the same padded program eagerly; every call trains as unpadded."""
+    torch.manual_seed(0)
+    eager, graphed = Layer(), Layer()
+    graphed.load_state_dict(eager.state_dict())
+    (installed,) = graph_dropless_experts(graphed, [16, 8], probs_dtype=torch.float64, eager_replay=True)
+    results = {}
+    for name, layer in (("eager", eager), ("graphed", graphed)):
+        outs, leaves = [], []
+        for seed, counts in enumerate([[3, 8, 0, 5], [9, 2, 2, 16], [1, 1, 1, 1]]):  # three in flight
+            g = torch.Generator().manual_seed(seed)
+            hidden = torch.randn(sum(counts), H, dtype=torch.float64, generator=g, requires_grad=True)
+            probs = torch.rand(sum(counts), dtype=torch.float64, generator=g, requires_grad=True)
+            outs.append(layer.experts(hidden, torch.tensor(counts), probs)[0])
+            leaves += [hidden, probs]
+        for out in reversed(outs):  # backwards in the reverse order, as a pipeline's cool-down
+            out.square().sum().backward()
+        results[name] = [o.detach() for o in outs] + [t.grad for t in leaves] + [p.grad for p in layer.parameters()]
+    for a, b in zip(results["eager"], results["graphed"]):
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
+    assert installed.calls == {8: 1, 16: 0} and installed.eager_calls == 2
+    # One at a time again: the graphs serve every call.
+    _call(graphed.experts, [1, 2, 3, 4], 7)
+    assert installed.calls == {8: 2, 16: 0}
+
+
 def test_bad_requests_are_refused_before_anything_changes():
     layer = Layer()
     with pytest.raises(ValueError, match=re.escape(

@@ -7,7 +7,9 @@ captured for a few token capacities instead: per expert ``C`` rows, the real tok
 zero rows after them (largest capacity first, one pool per layer). At each call the counts pick the
 smallest capacity that holds every expert's tokens; the tokens are laid out ``C`` rows per
 expert, that graph replays and the real rows are gathered back. No token is ever dropped:
-above the largest capacity the same padded program runs eagerly (``overflow``), and outside
+above the largest capacity the same padded program runs eagerly (``overflow``), as it does
+while an earlier call of the layer still waits for its backward (several microbatches in
+flight, a pipeline schedule: the graphs of a layer share their buffers), and outside
 training the experts' own forward runs.
 
 Numerics: a call equals te_graph's eager replay of the same program bitwise (the padded
@@ -39,6 +41,7 @@ import torch
 
 from checkpointing.recompute_state import cuda_stream_capturing
 
+from ..graphed import graphed_callable_of
 from ..te_support import FP8_ARGUMENTS, keeps_weight_cache
 from . import megatron
 
@@ -188,13 +191,18 @@ class DroplessExperts:
                 "probabilities' dtype is megatron-core's moe_router_dtype where set).")
 
     def _runner(self, capacity: Optional[int], counts: Sequence[int]) -> tuple[Callable, int]:
-        """The capacity's graph, or above the largest capacity the same padded program run
-        eagerly at a capacity rounded up to overflow_rows, so that such calls repeat a few
+        """The capacity's graph, or the same padded program run eagerly: above the largest
+        capacity at a capacity rounded up to overflow_rows, so that such calls repeat a few
         GEMM shapes (a GEMM shape new to cuBLASLt costs a host-side algorithm search at every
-        call); counted."""
+        call); and while an earlier call of this layer still waits for its backward (several
+        microbatches in flight: pipeline schedules), whose activations a replay would
+        overwrite (the graphs of one layer share their buffers). Counted."""
         if capacity is None:
             self.eager_calls += 1
             return self.padded, self.overflow_rows * math.ceil(max(counts) / self.overflow_rows)
+        if graphed_callable_of(self.graphed).awaits_backward():
+            self.eager_calls += 1
+            return self.padded, capacity
         self.calls[capacity] += 1
         return self.graphed, capacity
 
