@@ -40,6 +40,7 @@ __all__ = [
     "global_module_hook_dicts",
     "accumulate_grad_node",
     "engine_will_execute",
+    "in_backward",
     "CAN_POISON",
     "poison_storage",
     "poison_tensor",
@@ -236,6 +237,15 @@ def accumulate_grad_node(leaf: torch.Tensor) -> Any:
 # backward asked only for some tensors' gradients (``torch.autograd.grad``,
 # ``backward(inputs=...)``) executes only the nodes on the way to them.
 engine_will_execute: Callable[[Any], bool] = getattr(torch._C, "_will_engine_execute_node", lambda node: True)
+
+# ``torch._C._current_graph_task_id`` (private, torch >= 2.0; torch/utils/checkpoint.py uses it
+# for non-reentrant checkpoints): the id of the backward running on this thread, -1 outside one.
+_current_graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+
+
+def in_backward() -> bool:
+    """Whether this thread runs inside a backward (an activation recompute, for one)."""
+    return _current_graph_task_id() >= 0
 
 
 # -- outputs overwritten by a later replay --------------------------------------------------

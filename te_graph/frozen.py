@@ -175,7 +175,9 @@ class FrozenModule:
                         slots.append(_Slot(p.__dict__, "main_grad", f"main_grad of parameter {_qualified(prefix, name)!r}"))
                         values.append(p.__dict__["main_grad"])
                         main_grads.append((_qualified(prefix, name), p.__dict__["main_grad"]))
-        for kind, table in compat.global_module_hook_dicts():
+        # Hooks for every module run for the submodules only at capture (for a routed layer not
+        # even around the replay); around a module without submodules they run as in eager.
+        for kind, table in compat.global_module_hook_dicts() if routed or len(seen) > 1 else ():
             hook_tables.append(table)
             hook_names.append(f"global module {kind} (torch.nn.modules.module.register_module_{kind[:-1]})")
             hook_kinds.append(kind)

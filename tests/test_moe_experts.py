@@ -15,6 +15,8 @@ import pytest
 import torch
 from torch import nn
 
+import te_graph
+
 from te_graph.integrations.moe_experts import capacities_for, graph_dropless_experts, skips_weight_update
 from te_graph.te_support import keeps_weight_cache
 
@@ -166,6 +168,29 @@ def test_a_call_while_an_earlier_one_waits_for_its_backward_runs_the_padded_prog
     # One at a time again: the graphs serve every call.
     _call(graphed.experts, [1, 2, 3, 4], 7)
     assert installed.calls == {8: 2, 16: 0}
+    # A recompute inside the backward (a non-reentrant checkpoint around the experts) must repeat
+    # the forward it recomputes: the graphs' own refusal, not the eager program.
+    g = torch.Generator().manual_seed(8)
+    hidden = torch.randn(4, H, dtype=torch.float64, generator=g, requires_grad=True)
+    probs = torch.rand(4, dtype=torch.float64, generator=g, requires_grad=True)
+    out = torch.utils.checkpoint.checkpoint(lambda h, p: graphed.experts(h, torch.tensor([1, 1, 1, 1]), p)[0],
+                                            hidden, probs, use_reentrant=False)
+    with pytest.raises(RuntimeError, match="called again while the backward of its previous call has not run"):
+        out.sum().backward()
+
+
+def test_capacity_graphs_freed_by_te_graph_reset_leave_the_padded_program_eager():
+    """te_graph.reset() frees every graph, these too: later calls run the padded program
+    eagerly (as the module it was graphed from now does), until remove()."""
+    torch.manual_seed(0)
+    eager, graphed = Layer(), Layer()
+    graphed.load_state_dict(eager.state_dict())
+    (installed,) = graph_dropless_experts(graphed, [8], probs_dtype=torch.float64, eager_replay=True)
+    te_graph.reset()
+    want, got = _call(eager.experts, [3, 1, 0, 2], 0), _call(graphed.experts, [3, 1, 0, 2], 0)
+    for a, b in zip(want[:3] + tuple(want[3]), got[:3] + tuple(got[3])):
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
+    installed.remove()
 
 
 def test_bad_requests_are_refused_before_anything_changes():

@@ -128,9 +128,8 @@ def submodules_run_eagerly(layer: torch.nn.Module) -> frozenset:
     the graph); with no MLP scope
     the MLP side. Empty where the whole layer is graphed or the layer is not megatron-core's.
     Only what is named here is exempt, and only its hooks (a change of its mode or
-    parameters is still refused): some modules that also run eagerly (the MLP's
-    bias-dropout-add module, shared experts overlapped with the dispatch, latent
-    projections) are left out, refused rather than risked."""
+    parameters is still refused): a module that also runs eagerly but is not named (the
+    MLP's bias-dropout-add module built as a module) is refused rather than risked."""
     scopes = getattr(getattr(layer, "config", None), "cuda_graph_modules", None)
     if not scopes or not hasattr(layer, "_te_cuda_graph_capture") or not hasattr(layer, "mlp"):
         return frozenset()
@@ -141,7 +140,14 @@ def submodules_run_eagerly(layer: torch.nn.Module) -> frozenset:
         roots += ["input_layernorm", "self_attention", "self_attn_bda", "pre_cross_attn_layernorm", "cross_attention",
                   "cross_attn_bda"]
     if moe and "moe_router" in scopes and "moe" not in scopes:
-        roots.append("mlp.experts")
+        # The routed experts and the latent up-projection after them (postprocess); without the
+        # moe_preprocess scope the preprocessing too: the latent down-projection, and shared
+        # experts overlapped with the dispatch (their communication starts there).
+        roots += ["mlp.experts", "mlp.fc2_latent_proj"]
+        if "moe_preprocess" not in scopes:
+            roots.append("mlp.fc1_latent_proj")
+            if getattr(layer.config, "moe_shared_expert_overlap", False):
+                roots.append("mlp.shared_experts")
     elif not (("mlp" in scopes and not moe) or (moe and ({"moe", "moe_router"} & scopes))):
         roots += ["pre_mlp_layernorm", "mlp", "mlp_bda"]
     return frozenset(name for name, _ in layer.named_modules()

@@ -41,6 +41,7 @@ import torch
 
 from checkpointing.recompute_state import cuda_stream_capturing
 
+from .. import compat
 from ..graphed import graphed_callable_of
 from ..te_support import FP8_ARGUMENTS, keeps_weight_cache
 from . import megatron
@@ -200,7 +201,10 @@ class DroplessExperts:
         if capacity is None:
             self.eager_calls += 1
             return self.padded, self.overflow_rows * math.ceil(max(counts) / self.overflow_rows)
-        if graphed_callable_of(self.graphed).awaits_backward():
+        graphed = graphed_callable_of(self.graphed)  # None after te_graph.reset(): the eager program runs
+        # Not in a backward: a recompute there (a checkpoint around the experts) must repeat the
+        # forward it recomputes, which the graphs' own refusal names.
+        if graphed is not None and graphed.awaits_backward() and not compat.in_backward():
             self.eager_calls += 1
             return self.padded, capacity
         self.calls[capacity] += 1
