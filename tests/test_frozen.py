@@ -462,8 +462,8 @@ def test_keywords_none_by_default_may_be_left_out_or_passed_as_none_and_nothing_
     # megatron-core's replay keywords of its fine-grained activation offloading are named.
     _refused(m, "['cuda_graph_event', 'cuda_graph_stream'] are not. (megatron-core passes cuda_graph_stream and "
                 "cuda_graph_event with its fine-grained activation offloading, to replay the graphs on a stream of its "
-                "own: te_graph does not support that yet; turn fine_grained_activation_offloading off for graphed "
-                "layers.)",
+                "own: te_graph does not support that yet; offload no module inside the graphs' scopes, or turn "
+                "fine_grained_activation_offloading off.)",
              ValueError, lambda: m(_x(), mask=torch.ones(S, B, 1), cuda_graph_stream=object(), cuda_graph_event=None))
 
 
