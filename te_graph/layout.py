@@ -166,8 +166,8 @@ class InputLayout:
                 hint += (
                     " (megatron-core passes cuda_graph_stream and cuda_graph_event with its fine-grained "
                     "activation offloading, to replay the graphs on a stream of its own: te_graph does not "
-                    "support that yet; offload no module inside the graphs' scopes, or turn fine_grained_activation_offloading "
-                    "off.)"
+                    "support that yet; offload no module inside the graphs' scopes, or turn "
+                    "fine_grained_activation_offloading off.)"
                 )
             raise ValueError(
                 f"{self.name}: called with keyword arguments {sorted(kwargs)}, but the graph was "
