@@ -132,6 +132,50 @@ def test_hooks_on_a_module_whose_class_replays_from_its_own_call_are_refused():
     assert plain.matches() and plain.changes() == []
 
 
+class MegatronLayerLike(nn.Module):
+    """The submodules of a megatron-core 0.19 TransformerLayer (an MoE one with ``moe=True``)
+    and the attributes by which ``submodules_run_eagerly`` reads its helper's scopes."""
+
+    def __init__(self, scopes, moe=False, shared_overlap=False):
+        super().__init__()
+        self.config = types.SimpleNamespace(cuda_graph_modules=scopes, moe_shared_expert_overlap=shared_overlap)
+        self.is_moe_layer = moe
+        for name in ("input_layernorm", "self_attention", "pre_cross_attn_layernorm", "cross_attention",
+                     "cross_attn_bda", "pre_mlp_layernorm", "mlp_bda"):
+            setattr(self, name, nn.Identity())
+        self.mlp = nn.Module()
+        for name in ("router", "experts", "shared_experts", "fc1_latent_proj", "fc2_latent_proj") if moe else ("fc1",):
+            setattr(self.mlp, name, nn.Linear(2, 2))
+
+    def _te_cuda_graph_capture(self, *args):
+        return args
+
+
+ATTENTION_SIDE = {"input_layernorm", "self_attention", "pre_cross_attn_layernorm", "cross_attention", "cross_attn_bda"}
+
+
+@pytest.mark.parametrize("scopes, moe, shared_overlap, eager", [
+    ([], False, False, set()),  # the whole layer in the graph
+    (["attn", "mlp"], False, False, set()),
+    (["attn"], False, False, {"pre_mlp_layernorm", "mlp", "mlp.fc1", "mlp_bda"}),
+    (["mlp"], False, False, ATTENTION_SIDE),
+    (["attn", "moe_router", "moe_preprocess"], True, False, {"mlp.experts", "mlp.fc2_latent_proj"}),
+    (["attn", "moe_router", "moe_preprocess"], True, True, {"mlp.experts", "mlp.fc2_latent_proj"}),
+    (["attn", "moe_router"], True, True, {"mlp.experts", "mlp.fc2_latent_proj", "mlp.fc1_latent_proj",
+                                          "mlp.shared_experts"}),
+    (["attn", "moe"], True, False, set()),
+    (["attn"], True, False, {"pre_mlp_layernorm", "mlp", "mlp_bda"} | {f"mlp.{n}" for n in (
+        "router", "experts", "shared_experts", "fc1_latent_proj", "fc2_latent_proj")}),
+])
+def test_the_submodules_a_megatron_layers_graphs_leave_to_run_eagerly(scopes, moe, shared_overlap, eager):
+    """As megatron-core 0.19's _te_cuda_graph_capture and _te_cuda_graph_replay split a layer
+    by its helper's scopes: hooks on these run eagerly, exactly; the MLP itself under the
+    router's scope is in the graph (its forward returns early there) and is never listed."""
+    from te_graph.integrations.megatron import submodules_run_eagerly  # noqa: PLC0415
+
+    assert submodules_run_eagerly(MegatronLayerLike(scopes, moe, shared_overlap)) == eager
+
+
 def _make_forward_pre_hook():
     """megatron-core DDP's ``_make_forward_pre_hook``: one closure per call, one code."""
     def hook(module, *unused):
