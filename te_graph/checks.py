@@ -5,14 +5,13 @@ Each error says what is wrong and what to do; docs/troubleshooting.md lists them
 from __future__ import annotations
 
 import inspect
-import itertools
 from typing import Any, Callable, Sequence
 
 import torch
 
 from .layout import InputLayout, describe
 from . import compat
-from .frozen import hooks_outside_graphs
+from .frozen import global_hooks_run_at_capture_only, hooks_outside_graphs
 from .integrations import megatron
 from .graphed import graphed_callable_of
 from .te_support import is_quantized_tensor
@@ -93,13 +92,10 @@ def check_modules(callables: Sequence[Callable]) -> None:
             continue
         modes.setdefault(c.training, index)
         # A megatron-core layer its helper graphs (routed) runs some submodules only after the replay.
-        routed = megatron.capture_entry(c) is not None
+        routed = megatron.routes_capture(c)
         outside = hooks_outside_graphs(c, routed)
-        # Hooks for every module (torch.nn.modules.module.register_module_*) run for the
-        # submodules only while the graphs are captured (and for a megatron-core layer, not
-        # even around its replays); the per-call check takes them as they are at capture.
         global_hooks = [kind for kind, table in compat.global_module_hook_dicts() if table]
-        if global_hooks and (routed or next(itertools.islice(c.modules(), 1, None), None) is not None):
+        if global_hooks and global_hooks_run_at_capture_only(c, routed):
             raise ValueError(
                 f"make_graphed_callables: global module hooks are registered ({', '.join(global_hooks)}: "
                 f"torch.nn.modules.module.register_module_*); they run for the submodules of callable {index} "

@@ -25,6 +25,7 @@ their per-call state), values closed over by a function, and tensors' contents.
 """
 from __future__ import annotations
 
+import itertools
 import operator
 from typing import Any, Iterable, Optional
 
@@ -34,7 +35,7 @@ from . import compat
 from .integrations import megatron
 from .module_state import MODULE_INTERNALS
 
-__all__ = ["Settings", "FrozenModule", "Fingerprint", "hooks_outside_graphs"]
+__all__ = ["Settings", "FrozenModule", "Fingerprint", "hooks_outside_graphs", "global_hooks_run_at_capture_only"]
 
 # Attribute values compared by identity at every call (a new object equal to the old one
 # is taken in on the slow path). Integers are left out: frameworks keep per-call counters
@@ -58,6 +59,15 @@ def hooks_outside_graphs(module: torch.nn.Module, routed: bool) -> frozenset:
       (``integrations.megatron.submodules_run_eagerly``)."""
     declared = frozenset(getattr(module, "_hooks_run_around", ()))
     return declared | megatron.submodules_run_eagerly(module) if routed else declared
+
+
+def global_hooks_run_at_capture_only(module: torch.nn.Module, routed: bool) -> bool:
+    """Whether hooks for every module (``torch.nn.modules.module.register_module_*``) would
+    run for a graphed module only while its graphs are captured: for its submodules, and for
+    a megatron-core layer (``routed``) not even around its replays. Around a module without
+    submodules, called through ``nn.Module.__call__``, they run as in eager: refused at
+    graphing (``checks.check_modules``) and watched after only where this holds."""
+    return routed or next(itertools.islice(module.modules(), 1, None), None) is not None
 
 
 def _handles_made() -> int:
@@ -175,9 +185,7 @@ class FrozenModule:
                         slots.append(_Slot(p.__dict__, "main_grad", f"main_grad of parameter {_qualified(prefix, name)!r}"))
                         values.append(p.__dict__["main_grad"])
                         main_grads.append((_qualified(prefix, name), p.__dict__["main_grad"]))
-        # Hooks for every module run for the submodules only at capture (for a routed layer not
-        # even around the replay); around a module without submodules they run as in eager.
-        for kind, table in compat.global_module_hook_dicts() if routed or len(seen) > 1 else ():
+        for kind, table in compat.global_module_hook_dicts() if global_hooks_run_at_capture_only(module, routed) else ():
             hook_tables.append(table)
             hook_names.append(f"global module {kind} (torch.nn.modules.module.register_module_{kind[:-1]})")
             hook_kinds.append(kind)

@@ -36,8 +36,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["enable", "disable", "enabled", "capture_entry", "manual_hooks", "hooks_run_by_hand", "modules_run_by_hand",
-           "submodules_run_eagerly", "checkpoint", "te_checkpoint"]
+__all__ = ["enable", "disable", "enabled", "routes_capture", "capture_entry", "manual_hooks", "hooks_run_by_hand",
+           "modules_run_by_hand", "scope_names", "submodules_run_eagerly", "checkpoint", "te_checkpoint"]
 
 _CUDA_GRAPHS = "megatron.core.transformer.cuda_graphs"
 # (module, attribute) pairs enable() replaces, with what it puts there.
@@ -54,6 +54,13 @@ def capturing() -> bool:
     return graphs is not None and bool(graphs.is_graph_capturing())
 
 
+def routes_capture(module: torch.nn.Module) -> bool:
+    """Whether a megatron-core layer's ``__call__`` routes to its captured part now (its
+    helper's capture flag is set): its graphs are then replayed from that ``__call__``,
+    without ``nn.Module.__call__`` (:func:`capture_entry`)."""
+    return hasattr(module, "_te_cuda_graph_capture") and capturing()
+
+
 def capture_entry(module: torch.nn.Module) -> Optional[Callable]:
     """What a megatron-core layer's ``__call__`` runs while Megatron's capture flag is set
     (``GraphableMegatronModule._te_cuda_graph_capture``: the layer's captured part, returning
@@ -66,9 +73,9 @@ def capture_entry(module: torch.nn.Module) -> Optional[Callable]:
     router or the dispatch preprocessing when ``cuda_graph_modules`` says so; DDP's pre-hooks
     step aside), so eager replay, which runs the function at every call, must run it
     under the flag too to take the same path."""
-    route = getattr(module, "_te_cuda_graph_capture", None)
-    if route is None or not capturing():
+    if not routes_capture(module):
         return None
+    route = module._te_cuda_graph_capture
 
     @functools.wraps(route)
     def as_captured(*args: Any, **kwargs: Any) -> Any:
@@ -117,6 +124,12 @@ def manual_hooks(layer: torch.nn.Module) -> Optional[list]:
     return getattr(layer, "cuda_graph_manual_hooks", None)
 
 
+def scope_names(config: Any) -> set:
+    """The names of a config's ``cuda_graph_modules`` (megatron-core's ``CudaGraphModule``
+    members or their names as strings): ``{"attn", "moe_router", ...}``."""
+    return {str(scope).rsplit(".", 1)[-1] for scope in getattr(config, "cuda_graph_modules", None) or ()}
+
+
 def submodules_run_eagerly(layer: torch.nn.Module) -> frozenset:
     """The qualified names of the submodules of a megatron-core ``TransformerLayer`` graphed
     through its helper's scopes (``cuda_graph_modules``) that its graphs never run: they run
@@ -130,10 +143,9 @@ def submodules_run_eagerly(layer: torch.nn.Module) -> frozenset:
     Only what is named here is exempt, and only its hooks (a change of its mode or
     parameters is still refused): a module that also runs eagerly but is not named (the
     MLP's bias-dropout-add module built as a module) is refused rather than risked."""
-    scopes = getattr(getattr(layer, "config", None), "cuda_graph_modules", None)
+    scopes = scope_names(getattr(layer, "config", None))
     if not scopes or not hasattr(layer, "_te_cuda_graph_capture") or not hasattr(layer, "mlp"):
         return frozenset()
-    scopes = {str(getattr(s, "name", s)).rsplit(".", 1)[-1] for s in scopes}
     moe = bool(getattr(layer, "is_moe_layer", False))
     roots = []
     if "attn" not in scopes:

@@ -41,7 +41,7 @@ import torch
 from checkpointing.recompute_state import cuda_stream_capturing
 
 from .. import compat
-
+from . import megatron
 from .moe_experts import DroplessExperts, padded_layout
 
 __all__ = ["DroplessDispatch", "PaddedDispatch", "capacity_shape", "dispatch_refusal", "dispatch_samples",
@@ -61,7 +61,7 @@ def dispatch_refusal(layer: torch.nn.Module) -> Optional[str]:
         return (f"its experts are split over ranks (expert-parallel size {dispatcher.ep_size}, expert "
                 f"tensor-parallel size {dispatcher.tp_size}): the alltoall's split sizes come from the host")
     experts = layer.experts
-    scopes = [str(m).rsplit(".", 1)[-1] for m in (getattr(config, "cuda_graph_modules", None) or ())]
+    scopes = megatron.scope_names(config)
     reasons = [
         (getattr(dispatcher, "drop_and_pad", False), "it routes with drop-and-pad"),
         (getattr(config, "moe_expert_capacity_factor", None) is not None,
@@ -69,7 +69,7 @@ def dispatch_refusal(layer: torch.nn.Module) -> Optional[str]:
          "tokens x top-k rows"),
         (hasattr(layer, "_inference_token_dispatcher"),
          "it swaps in an inference dispatcher (transformer_impl='inference_optimized')"),
-        (getattr(config, "cuda_graph_impl", None) == "local" and {"moe_router", "moe_preprocess"} & set(scopes),
+        (getattr(config, "cuda_graph_impl", None) == "local" and {"moe_router", "moe_preprocess"} & scopes,
          "megatron-core's own graphs (cuda_graph_impl='local') split its forward at the router"),
         (compat.module_hook_dicts(experts) or any(table for _, table in compat.global_module_hook_dicts()),
          "its experts module has hooks, which run where megatron-core calls the experts "

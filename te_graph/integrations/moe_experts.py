@@ -141,9 +141,6 @@ class DroplessExperts:
         # forward clears (``TEGroupedLinear.forward``) and that Megatron sets again at each
         # step's first microbatch under FP8 (``MegatronModule.set_is_first_microbatch``).
         self._first_microbatch_flags = [m for m in experts.modules() if hasattr(m, "is_first_microbatch")]
-        # The experts' submodules with parameters of their own, whose DDP forward pre-hooks
-        # wait for their parameters' all-gather (overlap_param_gather).
-        self._param_modules = modules_with_parameters(experts)
         self._install()
 
     def _install(self) -> None:
@@ -235,12 +232,11 @@ class DroplessExperts:
         own graphs (told apart by their code, ``integrations.megatron.hooks_run_by_hand``:
         where the helper runs none, none is run here, and the per-call check refuses them)."""
         codes = megatron.hooks_run_by_hand(self.graphed)
-        if not codes:
-            return
-        for module in self._param_modules:
-            for hook in tuple(module._forward_pre_hooks.values()):
-                if getattr(hook, "__code__", None) in codes:
-                    hook(module, ())
+        for _, modules in megatron.manual_hooks(self.graphed) or ():  # the experts' modules with parameters
+            for module in modules:
+                for hook in tuple(module._forward_pre_hooks.values()):
+                    if getattr(hook, "__code__", None) in codes:
+                        hook(module, ())
 
     def remove(self) -> None:
         """Put the experts' own forward back and free the graphs."""
