@@ -29,9 +29,10 @@ hand before each replay, as Megatron-LM's ``training.py`` does. The output layer
 Megatron's ``ColumnParallelLinear``, whose fused weight-gradient kernel needs NVIDIA apex:
 it is built with fusion off (``gradient_accumulation_fusion`` stays on for every TE layer).
 
-``--tensor-parallel N`` (with ``--sequence-parallel 1``) and ``--pipeline-parallel N`` (with
-``--virtual-pipeline N`` model chunks per stage: the interleaved schedule) split the model
-over torchrun's ranks (the ranks left over are data parallel); ``--rope 1`` uses rotary
+``--tensor-parallel N`` (with ``--sequence-parallel 1``), ``--context-parallel N`` (each rank
+a share of the sequence; TE's attention exchanges keys and values in a ring) and
+``--pipeline-parallel N`` (with ``--virtual-pipeline N`` model chunks per stage: the
+interleaved schedule) split the model over torchrun's ranks (the ranks left over are data parallel); ``--rope 1`` uses rotary
 position embeddings, ``--mtp 1`` adds a multi-token prediction layer, ``--spec local``
 builds megatron-core's own modules instead of TE's (with ``--fusion 0``), and
 ``--regraph-at N`` deletes the graphs and makes them again before step N::
@@ -53,7 +54,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import socket
 import statistics
 import sys
 import time
@@ -86,9 +86,11 @@ class RunConfig:
     rope: bool = False  # rotary position embeddings (position_embedding_type="rope"), else learned ones
     mtp: int = 0  # multi-token prediction layers (DeepSeek-V3's; the helper graphs their transformer layers too)
     # Model parallelism over torchrun's ranks: tensor parallel (with sequence parallel where
-    # set) and pipeline parallel; the ranks left over are data parallel.
+    # set), context parallel (each rank a zigzag share of the sequence, attention over TE's
+    # ring of send/recv) and pipeline parallel; the ranks left over are data parallel.
     tensor_parallel: int = 1
     sequence_parallel: bool = False
+    context_parallel: int = 1
     pipeline_parallel: int = 1
     virtual_pipeline: int = 1  # model chunks per pipeline stage (interleaved 1F1B where above 1)
     recompute: str = "none"  # "none", "full" (whole layers, one at a time) or "selective" (core attention)
@@ -103,6 +105,9 @@ class RunConfig:
     moe_ffn: int = 0  # the experts' hidden size (0: 4 * hidden)
     capacity: float = 0.0  # 0: dropless; else drop-and-pad at this capacity factor
     expert_parallel: int = 1  # experts split over this many ranks (torchrun; alltoall dispatch over NCCL)
+    # Each expert's GEMMs split over this many tensor-parallel ranks (megatron-core's default is
+    # all of them; above 1 it needs the linear layers' biases off, which this then sets).
+    expert_tensor_parallel: int = 1
     permute_fusion: bool = False  # moe_permute_fusion: TE's fused permute and un-permute kernels
     aux_loss: float = 1e-2
     # The helper's cuda_graph_modules, comma-separated ("": the whole layer), for example
@@ -129,36 +134,42 @@ class RunConfig:
     lr: float = 1e-3
 
 
-def setup_process(expert_parallel: int = 1, tensor_parallel: int = 1, pipeline_parallel: int = 1,
-                  virtual_pipeline: int = 1) -> None:
-    """The NCCL group (one rank on GPU 0, or torchrun's ranks, one GPU each), Megatron's
-    parallel state (tensor and pipeline parallel as given, ``virtual_pipeline`` model chunks per stage, data parallel over the ranks left,
-    experts split over ``expert_parallel`` ranks); idempotent."""
+def setup_process(cfg: RunConfig | None = None) -> None:
+    """The NCCL group (one rank on GPU 0, or torchrun's ranks, one GPU each) and Megatron's
+    parallel state for ``cfg``'s sizes (tensor, context and pipeline parallel,
+    ``virtual_pipeline`` model chunks per stage, data parallel over the ranks left, experts
+    split over ``expert_parallel`` ranks; one rank of each by default); idempotent."""
     from megatron.core import parallel_state  # noqa: PLC0415
 
+    cfg = cfg or RunConfig()
     if not torch.distributed.is_initialized():
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        if "MASTER_PORT" not in os.environ:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                os.environ["MASTER_PORT"] = str(s.getsockname()[1])
         rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        torch.distributed.init_process_group("nccl", rank=rank, world_size=world)
+        if world == 1:
+            # One rank needs no rendezvous: an in-process store, no port to race other runs for.
+            torch.distributed.init_process_group("nccl", store=torch.distributed.HashStore(), rank=0, world_size=1)
+        else:
+            torch.distributed.init_process_group("nccl", rank=rank, world_size=world)  # torchrun's address
     world = torch.distributed.get_world_size()
-    if world % expert_parallel or world % (tensor_parallel * pipeline_parallel):
-        raise ValueError(f"--expert-parallel {expert_parallel}, --tensor-parallel {tensor_parallel} x "
-                         f"--pipeline-parallel {pipeline_parallel}: each must divide the {world} ranks.")
-    sizes = (expert_parallel, tensor_parallel, pipeline_parallel)
+    model_parallel = cfg.tensor_parallel * cfg.context_parallel * cfg.pipeline_parallel
+    if world % cfg.expert_parallel or world % model_parallel:
+        raise ValueError(f"--expert-parallel {cfg.expert_parallel}, --tensor-parallel {cfg.tensor_parallel} x "
+                         f"--context-parallel {cfg.context_parallel} x --pipeline-parallel {cfg.pipeline_parallel}: "
+                         f"each must divide the {world} ranks.")
+    virtual = cfg.virtual_pipeline if cfg.virtual_pipeline > 1 else None
+    sizes = (cfg.expert_parallel, cfg.expert_tensor_parallel, cfg.tensor_parallel, cfg.context_parallel,
+             cfg.pipeline_parallel, virtual)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
-            tensor_parallel, pipeline_parallel, virtual_pipeline_model_parallel_size=virtual_pipeline if virtual_pipeline > 1 else None,
-            expert_model_parallel_size=expert_parallel)
-    elif (parallel_state.get_expert_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_world_size(),
-          parallel_state.get_pipeline_model_parallel_world_size()) != sizes or (
-              parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1) != virtual_pipeline:
+            cfg.tensor_parallel, cfg.pipeline_parallel, virtual_pipeline_model_parallel_size=virtual,
+            context_parallel_size=cfg.context_parallel, expert_model_parallel_size=cfg.expert_parallel,
+            expert_tensor_parallel_size=cfg.expert_tensor_parallel)
+    elif (parallel_state.get_expert_model_parallel_world_size(), parallel_state.get_expert_tensor_parallel_world_size(),
+          parallel_state.get_tensor_model_parallel_world_size(),
+          parallel_state.get_context_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size(),
+          parallel_state.get_virtual_pipeline_model_parallel_world_size()) != sizes:
         raise ValueError("setup_process: Megatron's parallel state was made for other parallel sizes.")
 
 
@@ -191,6 +202,8 @@ def _build(cfg: RunConfig) -> tuple[list, Any, Any]:
     if cfg.experts:
         moe = dict(num_moe_experts=cfg.experts, moe_router_topk=cfg.topk, moe_grouped_gemm=True,
                    expert_model_parallel_size=cfg.expert_parallel,
+                   expert_tensor_parallel_size=cfg.expert_tensor_parallel,
+                   add_bias_linear=cfg.expert_tensor_parallel == 1,  # megatron-core: "Bias in Moe is only supported when ETP==1"
                    moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=cfg.aux_loss,
                    moe_permute_fusion=cfg.permute_fusion,
                    moe_ffn_hidden_size=cfg.moe_ffn or 4 * cfg.hidden)
@@ -204,6 +217,7 @@ def _build(cfg: RunConfig) -> tuple[list, Any, Any]:
         raise ValueError("--spec local runs megatron-core's own layers: bf16, dense, --fusion 0 (their fused "
                          "weight-gradient kernels are NVIDIA apex's).")
     parallel = dict(tensor_model_parallel_size=cfg.tensor_parallel, sequence_parallel=cfg.sequence_parallel,
+                    context_parallel_size=cfg.context_parallel,
                     pipeline_model_parallel_size=cfg.pipeline_parallel,
                     pipeline_dtype=torch.bfloat16 if cfg.pipeline_parallel > 1 else None,
                     virtual_pipeline_model_parallel_size=cfg.virtual_pipeline if cfg.virtual_pipeline > 1 else None)
@@ -273,23 +287,30 @@ def _build(cfg: RunConfig) -> tuple[list, Any, Any]:
 
 def _batches(cfg: RunConfig) -> Iterator[dict]:
     """Random token batches with a causal mask, from a generator of their own (each
-    data-parallel rank its own batches; the tensor- and pipeline-parallel ranks of one
-    model replica the same ones)."""
+    data-parallel rank its own batches; the tensor-, context- and pipeline-parallel ranks of
+    one model replica the same ones), each context-parallel rank keeping its share of the
+    sequence (megatron-core's zigzag split: 2 of 2 x CP chunks, the mask's rows likewise)."""
     from megatron.core import parallel_state  # noqa: PLC0415
+    from megatron.core.utils import get_batch_on_this_cp_rank  # noqa: PLC0415
 
     rank = parallel_state.get_data_parallel_rank()
     g = torch.Generator(device="cuda").manual_seed(cfg.seed + 1 + 1000 * rank)
-    positions = torch.arange(cfg.seq, device="cuda").expand(cfg.micro_batch, cfg.seq)
+    positions = torch.arange(cfg.seq, device="cuda").expand(cfg.micro_batch, cfg.seq).contiguous()
     mask = torch.ones(cfg.seq, cfg.seq, dtype=torch.bool, device="cuda").triu(1)
     mask = mask[None, None].expand(cfg.micro_batch, 1, cfg.seq, cfg.seq).contiguous()
     while True:
         tokens = torch.randint(0, cfg.vocab, (cfg.micro_batch, cfg.seq), device="cuda", generator=g)
-        yield {"tokens": tokens, "labels": torch.roll(tokens, -1, 1), "positions": positions, "mask": mask}
+        batch = {"tokens": tokens, "labels": torch.roll(tokens, -1, 1), "position_ids": positions,
+                 "attention_mask": mask}
+        if cfg.context_parallel > 1:
+            batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False,
+                                              cp_group=parallel_state.get_context_parallel_group())
+        yield batch
 
 
 def _forward_step(data: Iterator[dict], model: Any) -> tuple:
     batch = next(data)
-    losses = model(batch["tokens"], batch["positions"], batch["mask"], labels=batch["labels"])
+    losses = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
 
     def loss_func(output: torch.Tensor) -> tuple:
         loss = output.float().mean()
@@ -311,9 +332,10 @@ def train(cfg: RunConfig) -> dict:
     if cfg.regraph_at and cfg.regraph_at <= cfg.warmup_steps:
         raise ValueError(f"--regraph-at {cfg.regraph_at} must come after the graphs are first made (step "
                          f"{cfg.warmup_steps}, --warmup-steps).")
-    if cfg.expert_parallel > 1 and not cfg.experts:
-        raise ValueError("--expert-parallel splits the experts over ranks: it needs --experts.")
-    setup_process(cfg.expert_parallel, cfg.tensor_parallel, cfg.pipeline_parallel, cfg.virtual_pipeline)
+    if (cfg.expert_parallel > 1 or cfg.expert_tensor_parallel > 1) and not cfg.experts:
+        raise ValueError("--expert-parallel and --expert-tensor-parallel split the experts over ranks: they need "
+                         "--experts.")
+    setup_process(cfg)
     integration.disable()
     if cfg.graphs in ("te_graph", "te_graph_replay"):
         integration.enable()
@@ -342,7 +364,7 @@ def train(cfg: RunConfig) -> dict:
             record["graphed_with"] = type(model[0].module.module.decoder.layers[0].cuda_graphs[0]).__module__
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-        if helper is not None and step == cfg.regraph_at:
+        if helper is not None and cfg.regraph_at and step == cfg.regraph_at:
             for d in dropless:
                 d.remove()
             helper.delete_cuda_graphs()
@@ -414,11 +436,16 @@ def _make_graphs(cfg: RunConfig, model: list, helper: Any) -> list:
         if cfg.buckets and cfg.graphs != "te":
             from te_graph.integrations.moe_experts import capacities_for, graph_dropless_experts  # noqa: PLC0415
 
-            # An expert's rank receives tokens from every rank of its expert-parallel group.
-            capacities = capacities_for(cfg.seq * cfg.micro_batch * cfg.expert_parallel, cfg.topk, cfg.experts,
+            # A layer call routes its rank's share of the sequence (context and sequence
+            # parallel); an expert's rank receives the tokens of every rank of its expert- and
+            # expert-tensor-parallel group.
+            tokens = cfg.seq // cfg.context_parallel // (cfg.tensor_parallel if cfg.sequence_parallel else 1)
+            tokens *= cfg.micro_batch
+            capacities = capacities_for(tokens * cfg.expert_parallel * cfg.expert_tensor_parallel, cfg.topk,
+                                        cfg.experts,
                                         [float(f) for f in cfg.buckets.split(",")])
             dropless = [d for chunk in model for d in graph_dropless_experts(
-                chunk, capacities, tokens=cfg.seq * cfg.micro_batch, span=cfg.moe_span, overflow=cfg.overflow)]
+                chunk, capacities, tokens=tokens, span=cfg.moe_span, overflow=cfg.overflow)]
         if cfg.overlap_param_gather:
             for chunk in model:
                 chunk.enable_forward_pre_hook()
@@ -532,7 +559,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     base = RunConfig(**{k: getattr(args, k) for k in asdict(RunConfig()) if k != "graphs"})
     records = {}
-    setup_process(base.expert_parallel, base.tensor_parallel, base.pipeline_parallel, base.virtual_pipeline)  # this rank's GPU is current before _side_stream makes a stream
+    setup_process(base)  # this rank's GPU is current before _side_stream makes a stream
     for graphs in args.graphs.split(","):
         with _side_stream() if graphs == "te" else contextlib.nullcontext():
             records[graphs] = train(replace(base, graphs=graphs))

@@ -98,7 +98,7 @@ def main(permute_fusion: bool) -> None:
     from examples.megatron_gpt import setup_process
     from te_graph.integrations.moe_experts import capacities_for, graph_dropless_experts
 
-    setup_process(1)
+    setup_process()
     eager, graphed, replayed = _layers(permute_fusion)
     tokens = SEQ * BATCH
     # Up to every token per expert: no call above the largest capacity.
