@@ -58,11 +58,11 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 
-__all__ = ["RunConfig", "setup_process", "train", "main"]
+__all__ = ["RunConfig", "setup_process", "graph_event", "train", "main"]
 
 
 @dataclass(frozen=True)
@@ -356,7 +356,8 @@ def train(cfg: RunConfig) -> dict:
     routed = _count_routed() if cfg.experts and cfg.count_dropped else None
     dropless: list = []
     for step in range(cfg.steps):
-        if helper is not None and step == cfg.warmup_steps:
+        event = graph_event(cfg, step)
+        if event == "make":
             started = time.perf_counter()
             dropless = _make_graphs(cfg, model, helper)
             torch.cuda.synchronize()
@@ -364,7 +365,7 @@ def train(cfg: RunConfig) -> dict:
             record["graphed_with"] = type(model[0].module.module.decoder.layers[0].cuda_graphs[0]).__module__
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-        if helper is not None and cfg.regraph_at and step == cfg.regraph_at:
+        elif event == "remake":
             for d in dropless:
                 d.remove()
             helper.delete_cuda_graphs()
@@ -416,6 +417,19 @@ def train(cfg: RunConfig) -> dict:
     te_graph.reset()
     integration.disable()
     return record
+
+
+def graph_event(cfg: RunConfig, step: int) -> Optional[str]:
+    """What happens to the graphs before ``step`` of a graphed run: ``"make"`` after the
+    eager warmup steps, ``"remake"`` at ``--regraph-at`` (0: never), else None (and always
+    None for the eager run)."""
+    if cfg.graphs == "eager":
+        return None
+    if step == cfg.warmup_steps:
+        return "make"
+    if cfg.regraph_at and step == cfg.regraph_at:
+        return "remake"
+    return None
 
 
 def _make_graphs(cfg: RunConfig, model: list, helper: Any) -> list:

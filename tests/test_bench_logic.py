@@ -227,6 +227,22 @@ def test_the_megatron_example_runs_on_one_rank_or_under_torchrun_with_an_output_
     assert [megatron_gpt.rank_path("/tmp/run.pt", r, 2) for r in range(2)] == ["/tmp/run.rank0.pt", "/tmp/run.rank1.pt"]
 
 
+def test_the_megatron_example_makes_its_graphs_after_warmup_and_again_only_where_asked():
+    """The steps before which a run of examples/megatron_gpt.py makes its graphs: after the
+    eager warmup, and again at --regraph-at only where it is set (0, the default, is never:
+    a check of ``step == regraph_at`` alone deleted the graphs before step 0)."""
+    from examples.megatron_gpt import RunConfig, graph_event
+
+    def events(**fields) -> dict:
+        cfg = RunConfig(**fields)
+        return {step: e for step in range(cfg.steps) if (e := graph_event(cfg, step))}
+
+    assert events(graphs="te_graph") == {1: "make"}
+    assert events(graphs="te_graph_replay", warmup_steps=2, steps=6) == {2: "make"}
+    assert events(graphs="te", regraph_at=3) == {1: "make", 3: "remake"}
+    assert events(graphs="eager", regraph_at=3) == {}
+
+
 def test_the_host_timeline_clocks_te_graphs_functions_and_puts_them_back():
     import profile_te_host
 

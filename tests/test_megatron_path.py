@@ -11,12 +11,13 @@ bitwise. The setups: dropout, gradient-accumulation fusion, FP8, full and select
 Megatron's optimizer, the distributed optimizer with overlapped parameter gathers (DDP's
 forward pre-hooks run by the helper before each replay), megatron-core's own modules
 (``transformer_impl="local"``), rotary embeddings, a hook registered on a graphed layer
-(refused: the helper's replay would skip it), tensor + sequence parallel and pipeline
+(refused: the helper's replay would skip it), tensor + sequence, context and pipeline
 parallel over two GPUs (``multi_gpu``), and megatron-core's MoE layers:
 drop-and-pad graphed whole, dropless graphed up to token dispatch (bf16, FP8, full recompute),
 dropless refused by name when graphed whole, and dropless experts in capacity graphs (bf16,
-FP8 delayed and current scaling); with expert parallelism over two GPUs (torchrun, NCCL
-alltoall, ``multi_gpu``) the same, every rank bitwise. Needs a GPU, megatron-core 0.19 and
+FP8 delayed and current scaling); over two GPUs (torchrun, ``multi_gpu``) the same with
+expert parallelism (NCCL alltoall), and MoE under tensor + sequence parallel (expert tensor
+parallel 1 and 2), context parallel and pipeline parallel, every rank bitwise. Needs a GPU, megatron-core 0.19 and
 Transformer Engine 2.20; skipped otherwise.
 """
 from __future__ import annotations
