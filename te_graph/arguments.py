@@ -16,6 +16,7 @@ from .hooks import normalise_capture_time_hooks
 from .te_support import FP8Options
 from .options import GraphOptions
 from .records import GraphSpec, SampleMemory, make_spec
+from .resources import RESOURCES
 from .schedule import Schedule
 
 __all__ = ["Samples", "call_form", "sample_sets", "make_specs", "pool_handle", "largest_first"]
@@ -73,7 +74,10 @@ def make_specs(
     grad_enabled = torch.is_grad_enabled()
     ordered = options.order is not None
     memory = SampleMemory()
-    shared = _shared_parameters(callables)
+    # Tied weights: parameters several of these callables use, or that graphs made by an
+    # earlier call accumulate (this call's gradients then go through autograd, and the
+    # earlier graphs' backward refuses the second use: Runner._check_in_graph_backward).
+    shared = _shared_parameters(callables) | RESOURCES.parameters_in_graphs()
     spec_sets = [
         [
             make_spec(

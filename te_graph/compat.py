@@ -167,6 +167,14 @@ tensor_hooks = operator.attrgetter("_backward_hooks")
 post_accumulate_hooks = operator.attrgetter("_post_accumulate_grad_hooks")
 HAS_POST_ACCUMULATE_HOOKS = hasattr(torch.Tensor, "register_post_accumulate_grad_hook")
 
+
+def hook_handles_made() -> int:
+    """How many hook handles the process has made: every hook registration (a module's, a
+    tensor's, a gradient accumulator's) takes the next id of torch's one counter
+    (``torch.utils.hooks.RemovableHandle.next_id``, a class attribute since torch 1.x), so an
+    unmoved counter means no hook was registered since. Where the counter is missing, -1."""
+    return getattr(torch.utils.hooks.RemovableHandle, "next_id", -1)
+
 _MODULE_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
 

@@ -70,12 +70,9 @@ def global_hooks_run_at_capture_only(module: torch.nn.Module, routed: bool) -> b
     return routed or next(itertools.islice(module.modules(), 1, None), None) is not None
 
 
-def _handles_made() -> int:
-    """How many hook handles the process has made: every hook registration takes the next
-    id of torch's one counter (``torch.utils.hooks.RemovableHandle.next_id``), so an unmoved
-    counter and unchanged table sizes mean the same hooks. Where the counter is missing, -1:
-    the tables' keys are compared instead."""
-    return getattr(torch.utils.hooks.RemovableHandle, "next_id", -1)
+# An unmoved counter and unchanged table sizes mean the same hooks; where the counter is
+# missing (-1), the tables' keys are compared instead.
+_handles_made = compat.hook_handles_made
 
 
 _REGRAPH = (

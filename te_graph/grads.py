@@ -23,6 +23,10 @@ one of two paths, chosen at each call:
   zeroed, the replay leaves the fresh gradient in it, and the graphed call hands it to
   autograd as the parameter's gradient, so accumulation and every hook run exactly as in
   eager code, once per backward.
+
+The path is chosen at the forward; what comes to need autograd's accumulation before that
+call's backward (a hook on a parameter, another use of a parameter in the same backward)
+is refused at the backward (``replay.Runner._check_in_graph_backward``).
 """
 from __future__ import annotations
 
@@ -41,6 +45,18 @@ _PLAIN_GRAD = (type(None), torch.Tensor)
 
 def _has_main_grad(param: torch.Tensor) -> bool:
     return "main_grad" in param.__dict__
+
+
+def hooked(params: Sequence[torch.Tensor]) -> bool:
+    """Whether something outside autograd's own accumulation observes one of ``params``'
+    gradients: hooks on it (``register_hook``, ``register_post_accumulate_grad_hook``), or
+    Megatron's ``main_grad`` (its DDP hooks the gradient accumulator). A few C-level
+    attribute reads per parameter."""
+    return (
+        any(map(compat.tensor_hooks, params))
+        or (compat.HAS_POST_ACCUMULATE_HOOKS and any(map(compat.post_accumulate_hooks, params)))
+        or any(map(_has_main_grad, params))
+    )
 
 
 @contextlib.contextmanager
@@ -88,12 +104,9 @@ class ParamGrads:
         ``main_grad`` (its DDP hooks the gradient accumulator), attached before or after
         graphing; or a subclass ``.grad`` only autograd may accumulate into. On the hot
         path: a few C-level attribute reads per parameter."""
-        params = self.params
         return (
             self.tied
-            or any(map(compat.tensor_hooks, params))
-            or (compat.HAS_POST_ACCUMULATE_HOOKS and any(map(compat.post_accumulate_hooks, params)))
-            or any(map(_has_main_grad, params))
+            or hooked(self.params)
             or any(type(p.grad) not in _PLAIN_GRAD for p in self._subclass_params)
         )
 

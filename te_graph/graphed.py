@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import types
 import warnings
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -102,6 +102,12 @@ class GraphedCallable:
         queue = book.waiting[runners[0].owner] if book is not None else ()
         head = queue[0][0] if queue else None
         (head if any(r is head for r in runners) else runners[0]).backward_dw()
+
+    def accumulated_parameters(self) -> Iterator[torch.Tensor]:
+        """The parameters whose gradients its graphs may add to ``.grad`` without autograd
+        (``Runner.accumulated``; none once reset)."""
+        for runner in self._runners.values():
+            yield from runner.accumulated
 
     def awaits_backward(self) -> bool:
         """Whether one of its graphs holds the activations of a call whose backward has not run

@@ -38,6 +38,23 @@ class _Leaf:
         return "*"
 
 
+def _tensor_attribute(value: Any) -> Any:
+    """The name of an attribute of ``value`` (an object pytree does not open, such as a
+    dataclass of sequence metadata) that holds a tensor, directly or in a pytree, else None.
+    Objects without a ``__dict__`` (numbers, strings, process groups) hold none here, and a
+    module passed along is model state, read by address like the callable's own parameters."""
+    if isinstance(value, torch.nn.Module):
+        return None
+    try:
+        attributes = vars(value)
+    except TypeError:
+        return None
+    for attribute, held in attributes.items():
+        if any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(held)):
+            return attribute
+    return None
+
+
 class InputLayout:
     """Positional args (pytrees of tensors) and keyword args (pytrees of tensors and
     constants: a tensor, ``None``, a flag, a tuple ``(cos, sin)``, a dict of tensors).
@@ -79,6 +96,16 @@ class InputLayout:
                 continue
             value_leaves, spec = pytree.tree_flatten(value)
             if spec.is_leaf():  # a constant: None, a flag, a number, a string
+                held = _tensor_attribute(value)
+                if held is not None:
+                    raise TypeError(
+                        f"make_graphed_callables: keyword argument {key!r} of {name} is a {type(value).__name__} "
+                        f"holding tensors (its {held!r}), which is not a pytree: the graph would read those "
+                        "tensors at their capture-time addresses at every call, whatever object the call "
+                        "passes. Pass the tensors as keyword arguments of their own, or register the class "
+                        "as a pytree node (torch.utils._pytree.register_pytree_node), so that its tensors "
+                        "become the graph's inputs."
+                    )
                 self.constants[key] = value
                 continue
             shape = tuple(_TENSOR if isinstance(v, torch.Tensor) else v for v in value_leaves)

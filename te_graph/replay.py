@@ -25,7 +25,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import compat
+from . import compat, grads
 from .te_support import accepts_is_first_microbatch
 from .grads import grads_redirected
 from .parameters import StandIns
@@ -212,14 +212,17 @@ class OrderSlot:
     queued_at_backward: int
 
 
+OBSERVED = -2  # Invocation.hooks_seen of a call whose forward found the parameters' gradients observed
+
+
 class Invocation:
     """One forward call's state, kept on its autograd node until its backward."""
 
     __slots__ = ("generation", "tick", "record", "copy_grads", "outputs", "backwards", "through_autograd", "fp8_first",
-                 "__weakref__")
+                 "hooks_seen", "__weakref__")
 
     def __init__(self, generation: int, tick: int, record: tuple, copy_grads: tuple, through_autograd: bool,
-                 outputs: Any = None, fp8_first: bool = False):
+                 outputs: Any = None, fp8_first: bool = False, hooks_seen: int = OBSERVED):
         self.backwards = 0  # how many times this call's backward ran (retain_graph)
         self.generation = generation
         self.tick = tick
@@ -228,6 +231,11 @@ class Invocation:
         self.through_autograd = through_autograd
         self.outputs = outputs  # eager replay only: the live outputs to backprop through
         self.fp8_first = fp8_first  # the first FP8 call of its te.autocast (te_support.FP8Replay)
+        # Where the forward left the parameters' gradients to the graph (nothing observed
+        # them): the process's hook-handle count then (``Runner._check_in_graph_backward``);
+        # else OBSERVED.
+        self.hooks_seen = hooks_seen
+
 
 
 class Runner:
@@ -266,6 +274,9 @@ class Runner:
         # Its gradient accumulator: whether the engine runs it tells a full backward from one
         # asked only for some inputs' gradients.
         self.anchor_node = compat.accumulate_grad_node(self.anchor[0]) if self.anchor else None
+        self._module = spec.func if isinstance(spec.func, torch.nn.Module) else None  # for parameter names
+        self.accumulated: tuple[torch.Tensor, ...] = ()  # what the in-graph path adds to .grad (_watch)
+        self.accumulators: tuple = ()
         self.clock = clock
         self.generation = 0
         self._waiting: Any = _NOTHING  # weakref to the last call whose backward may still come
@@ -397,6 +408,71 @@ class Runner:
             with torch.no_grad():
                 t.copy_(slot.tensor.clone() if shares else slot.tensor)
 
+    def _watch(self, params: tuple[torch.Tensor, ...]) -> None:
+        """The parameters whose gradients the in-graph path adds to ``.grad`` without autograd,
+        and their gradient accumulators (held: the leaf holds its node weakly), which tell
+        whether a backward reaches a parameter by another way too."""
+        self.accumulated = params
+        self.accumulators = tuple(map(compat.accumulate_grad_node, params))
+
+    def _inputs_only(self, invocation: Invocation) -> bool:
+        """Whether this backward, off the autograd path, is asked only for some inputs'
+        gradients (``torch.autograd.grad``, ``backward(inputs=...)``): the engine will not
+        run the anchor's accumulator, and no parameter takes a gradient, as in eager."""
+        return not invocation.through_autograd and bool(self.anchor) and not compat.engine_will_execute(self.anchor_node)
+
+    def _check_in_graph_backward(self, invocation: Invocation) -> None:
+        """Before a backward whose parameter gradients the graph (or eager replay's nested
+        backward) adds to ``.grad`` itself, as its forward chose where nothing observed them:
+        nothing may since have come to need autograd's own accumulation. A hook registered
+        on a parameter after the forward would be skipped; a use of a parameter outside the
+        call in this same backward (another callable's graphs, a regulariser in the loss,
+        the parameter passed as an input) would add its gradient to ``.grad`` apart from the
+        graph's, where eager autograd sums the two first (other rounding). One counter read
+        and one engine query per parameter."""
+        if not self.accumulators:
+            return
+        if invocation.hooks_seen != compat.hook_handles_made() and grads.hooked(self.accumulated):
+            raise RuntimeError(
+                f"{self.name}: a gradient hook (or main_grad) was put on one of its parameters after "
+                "this call's forward and before its backward; the forward, finding none, left the "
+                "parameters' gradients to the graph, which adds them to .grad without autograd and "
+                "would skip the hook, while eager autograd runs it. Register parameter hooks before "
+                "the forward, or pass accumulate_grads_in_graph=False to make_graphed_callables."
+            )
+        reached = [i for i, node in enumerate(self.accumulators) if compat.engine_will_execute(node)]
+        if reached:
+            raise RuntimeError(
+                f"{self.name}: this backward reaches parameter {self._parameter_name(reached[0])} by "
+                "another way too (it is used outside the graphed call, passed to it as an input, or "
+                "read by the graphs of another make_graphed_callables call): the graph adds its "
+                "gradient to .grad on its own and autograd adds the other use's after, where eager "
+                "autograd sums the two first (a different rounding). Pass "
+                "accumulate_grads_in_graph=False to make_graphed_callables (every parameter "
+                "gradient then goes through autograd), or graph the callables sharing a parameter "
+                "in one make_graphed_callables call."
+            )
+
+    def _parameter_name(self, index: int) -> str:
+        p = self.accumulated[index]
+        names = dict((id(q), n) for n, q in self._module.named_parameters()) if self._module is not None else {}
+        return repr(names.get(id(p), f"of shape {tuple(p.shape)}"))
+
+    def _check_updated_apart(self, inputs: tuple[torch.Tensor, ...]) -> None:
+        """Each input the forward updates in place shares no memory with another input: each
+        input is read from a buffer of its own, so the other would not see the update that
+        eager code sees through the shared memory."""
+        for index in self.updated:
+            t = inputs[index]
+            for other, u in enumerate(inputs):
+                if other != index and shares_memory(t, u):
+                    raise RuntimeError(
+                        f"{self.name}: inputs {index} and {other} share memory, and the forward updates "
+                        f"input {index} in place; eager code would see the update through input {other} "
+                        "too, but the graph reads each input from a buffer of its own. Pass tensors that "
+                        "do not share memory (a .clone() of one)."
+                    )
+
     def _check_fresh(self, invocation: Invocation) -> None:
         invocation.backwards += 1
         if invocation.backwards > 1 and not self.retains_graph:
@@ -431,6 +507,7 @@ class GraphRunner(Runner):
         self.graph = graph
         if graph.param_grads is not None:
             self.params = graph.param_grads.params  # less those only the weight-gradient pass sets
+            self._watch(self.params)
         self.static_inputs = graph.static_inputs
         self.input_slots = tuple(map(_Slot, graph.static_inputs))
         self.grad_output_slots = tuple(None if g is None else _Slot(g) for g in graph.static_grad_outputs)
@@ -474,6 +551,8 @@ class GraphRunner(Runner):
                 is_first_microbatch: Any = None) -> tuple[Invocation, tuple]:
         graph = self.graph
         self._before_forward()
+        if self.updated:
+            self._check_updated_apart(inputs)
         fp8_first = graph.fp8.before_forward(self.name, is_first_microbatch)
         self._copy_inputs(inputs)
         copy_grads = tuple(map(self._grad_copied, inputs, graph.static_grad_inputs)) if with_backward else ()
@@ -490,10 +569,18 @@ class GraphRunner(Runner):
         if self.updated:
             self._copy_back(inputs)
         outputs = self.handout.tensors()
-        invocation = Invocation(self.generation, tick, record, copy_grads, through_autograd, None, fp8_first)
+        invocation = Invocation(self.generation, tick, record, copy_grads, through_autograd, None, fp8_first,
+                                OBSERVED if through_autograd else compat.hook_handles_made())
         return (self._issued(invocation) if with_backward else invocation), outputs
 
     def backward(self, invocation: Invocation, grads: tuple) -> tuple:
+        through_autograd = invocation.through_autograd
+        # A backward asked only for some inputs' gradients (torch.autograd.grad, or
+        # backward(inputs=...)) leaves the parameters' .grad alone, as eager autograd does:
+        # the graph still accumulates into the buffers, which are put back afterwards.
+        inputs_only = self._inputs_only(invocation)
+        if invocation.hooks_seen != OBSERVED and not inputs_only:
+            self._check_in_graph_backward(invocation)
         self._before_backward(invocation, grads)
         graph = self.graph
         for slot, g in zip(self.grad_output_slots, grads):
@@ -503,14 +590,10 @@ class GraphRunner(Runner):
                 slot.tensor.zero_()
             else:
                 _copy_in(slot, g)
-        through_autograd = invocation.through_autograd
-        # A backward asked only for some inputs' gradients (torch.autograd.grad, or
-        # backward(inputs=...)) leaves the parameters' .grad alone, as eager autograd does:
-        # the graph still accumulates into the buffers, which are put back afterwards.
         kept = None
         if through_autograd:
             graph.param_grads.prepare_autograd()
-        elif self.anchor and not compat.engine_will_execute(self.anchor_node):
+        elif inputs_only:
             kept = [b.clone() for b in graph.param_grads.buffers]
         else:
             graph.param_grads.prepare_in_graph()
@@ -576,6 +659,7 @@ class EagerRunner(Runner):
         used = [p for i, p in enumerate(spec.params) if i not in warmup.unused_params]
         routed = used if options.always_autograd else [spec.params[i] for i in sorted(spec.tied_params)]
         self.routed = StandIns([spec.func], only=routed) if routed and isinstance(spec.func, torch.nn.Module) else None
+        self._watch(tuple(used))  # unrouted, the real parameters take their gradients in the nested backward
         self.handout = EagerOutputs(self.name, spec)
 
     def through_autograd(self) -> bool:
@@ -586,6 +670,8 @@ class EagerRunner(Runner):
                 is_first_microbatch: Any = None) -> tuple[Invocation, tuple]:
         spec = self.spec
         self._before_forward()
+        if self.updated:
+            self._check_updated_apart(inputs)
         self.fp8.before_forward(self.name, is_first_microbatch)
         self._copy_inputs(inputs)
         tick = self.clock.forward(self.variant, self.shape)
@@ -601,18 +687,26 @@ class EagerRunner(Runner):
         if self.updated:
             self._copy_back(inputs)
         # Its grads are the live backward's own tensors, never graph memory: nothing to copy.
-        invocation = Invocation(self.generation, tick, (), (), routed, outputs)
+        # Unrouted, the real parameters take their gradients where the graphs would add them in
+        # the graph, unless something observed them at this forward (the graphs then go
+        # through autograd): the same checks at the backward as the graphs'.
+        observed = routed or compat.ddp_forward_active() or grads.hooked(self.accumulated)
+        invocation = Invocation(self.generation, tick, (), (), routed, outputs, False,
+                                OBSERVED if observed else compat.hook_handles_made())
         detached = self.handout.hand_out(outputs)
         return (self._issued(invocation) if with_backward else invocation), detached
 
     def backward(self, invocation: Invocation, grads: tuple) -> tuple:
+        inputs_only = self._inputs_only(invocation)
+        if invocation.hooks_seen != OBSERVED and not inputs_only:
+            self._check_in_graph_backward(invocation)
         self._before_backward(invocation, grads)
         self._replaying_backward()
         pairs = [(o, g) for o, g in zip(invocation.outputs, grads) if o.requires_grad]
         outputs = [o for o, _ in pairs]
         grads_ = [torch.zeros_like(o) if g is None else g for o, g in pairs]
         routed = self.routed(self.params) if invocation.through_autograd else ()
-        if not invocation.through_autograd and self.anchor and not compat.engine_will_execute(self.anchor_node):
+        if inputs_only:
             # Only some inputs' gradients are asked for: no parameter takes one (as eager).
             wanted = [t for t in self.static_inputs if t.requires_grad]
             found = iter(torch.autograd.grad(outputs, wanted, grads_, retain_graph=self.retains_graph,

@@ -29,8 +29,10 @@ from torch.utils.weak import WeakIdKeyDictionary
 __all__ = ["ProcessResources", "RESOURCES"]
 
 
-class _Resettable(Protocol):
+class _Graphed(Protocol):
     def reset(self) -> None: ...
+
+    def accumulated_parameters(self) -> Iterator[torch.Tensor]: ...
 
 
 class ProcessResources:
@@ -80,12 +82,17 @@ class ProcessResources:
             self._amax_reductions[device] = BackwardAmaxReduction(self.capture_stream())
         return self._amax_reductions[device]
 
-    def add_callable(self, graphed: _Resettable) -> None:
+    def add_callable(self, graphed: _Graphed) -> None:
         """Track a graphed callable for ``teardown`` (weakly: it keeps nothing alive)."""
         self._callables.add(graphed)
 
-    def live_callables(self) -> Iterator[_Resettable]:
+    def live_callables(self) -> Iterator[_Graphed]:
         return iter(list(self._callables))
+
+    def parameters_in_graphs(self) -> frozenset:
+        """Ids of the parameters whose gradients live graphs may add to ``.grad`` without
+        autograd: a later call graphing one of them treats it as a tied weight."""
+        return frozenset(id(p) for graphed in self.live_callables() for p in graphed.accumulated_parameters())
 
     def teardown(self) -> None:
         """Free every graphed callable's graphs and buffers and the amax-reduction graphs,

@@ -1,6 +1,7 @@
 """Bad input to make_graphed_callables: the exact error, raised before anything changes."""
 from __future__ import annotations
 
+import dataclasses
 import gc
 import importlib.util
 import re
@@ -167,6 +168,144 @@ def test_failed_capture_leaves_process_and_model_as_they_were():
     assert all(
         torch.equal(rng.to_byte_state(after[k]), rng.to_byte_state(before[1][k])) for k in after
     )
+
+
+# -- parameter gradients the graph adds to .grad itself ---------------------------------------
+# Where nothing observes a parameter's gradient at a call's forward, the graph (and eager
+# replay's nested backward) adds it to .grad without autograd. What would need autograd's own
+# accumulation later in that call's life is refused at its backward; the same programs pass
+# with accumulate_grads_in_graph=False, bitwise equal to eager.
+REPLAY_MODES = [
+    pytest.param("cpu", True, id="eager-replay-cpu"),
+    pytest.param("cuda", False, id="graphs", marks=pytest.mark.gpu),
+]
+
+
+def _two_layers(device):
+    torch.manual_seed(0)
+    return Lin(device), Lin(device)
+
+
+@pytest.mark.parametrize("device, eager_replay", REPLAY_MODES)
+def test_a_parameter_hook_registered_after_the_forward_is_refused_at_the_backward(device, eager_replay):
+    m = Lin(device)
+    graphed = make_graphed_callables(m, (_x(device),), eager_replay=eager_replay)
+    y = graphed(_x(device))
+    m.lin.weight.register_hook(lambda g: g * 0)
+    with pytest.raises(RuntimeError, match=r"callable 0 \(Lin\): a gradient hook \(or main_grad\) was put on one of "
+                       r"its parameters after this call's forward and before its backward; .* Register parameter "
+                       r"hooks before the forward, or pass accumulate_grads_in_graph=False"):
+        y.sum().backward()
+    assert all(p.grad is None for p in m.parameters())
+    del y  # the refused call's result (its backward would be refused again)
+    # Registered before the next forward, the hook runs, as in eager.
+    y = graphed(_x(device))
+    y.sum().backward()
+    assert torch.equal(m.lin.weight.grad, torch.zeros_like(m.lin.weight))
+    assert m.lin.bias.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("device, eager_replay", REPLAY_MODES)
+@pytest.mark.parametrize("use", ["regulariser", "input"])
+def test_a_parameter_reached_outside_the_call_in_its_backward_is_refused_unless_through_autograd(
+        device, eager_replay, use):
+    """An L2 term on a graphed layer's weight in the loss, or the weight passed to the call as
+    an input: eager autograd sums the gradient of each use before adding it to .grad."""
+
+    def loss_of(m, call):
+        penalty = (m.lin.weight ** 2).sum() * 0.1  # before the forward: the refusal comes first
+        x = _x(device)
+        y = call(x, scale=m.lin.weight[0]) if use == "input" else call(x)
+        return (y * torch.linspace(-1, 1, 4, device=device)).sum() + penalty
+
+    class Scaled(Lin):
+        def forward(self, x, scale=None):
+            return self.lin(x) * (1.0 if scale is None else scale)
+
+    torch.manual_seed(0)
+    m = Scaled(device)
+    kwargs = {"scale": m.lin.weight[0].detach().clone().requires_grad_()} if use == "input" else {}
+    graphed = make_graphed_callables(m, (_x(device),), sample_kwargs=kwargs, eager_replay=eager_replay)
+    with pytest.raises(RuntimeError, match=r"callable 0 \(Scaled\): this backward reaches parameter 'lin\.weight' by "
+                       r"another way too .* Pass accumulate_grads_in_graph=False"):
+        loss_of(m, graphed).backward()
+    # Through autograd, every use's gradient is summed first: bitwise eager.
+    torch.manual_seed(0)
+    m, reference = Scaled(device), Scaled(device)
+    reference.load_state_dict(m.state_dict())
+    graphed = make_graphed_callables(m, (_x(device),), sample_kwargs=kwargs, eager_replay=eager_replay,
+                                     accumulate_grads_in_graph=False)
+    for step in range(2):
+        torch.manual_seed(10 + step)
+        loss_of(m, graphed).backward()
+        torch.manual_seed(10 + step)
+        loss_of(reference, reference).backward()
+        for (name, p), q in zip(m.named_parameters(), reference.parameters()):
+            assert torch.equal(p.grad, q.grad), f"step {step}: grad of {name}"
+
+
+@pytest.mark.parametrize("device, eager_replay", REPLAY_MODES)
+def test_a_weight_tied_across_two_graphing_calls_is_refused_at_the_backward(device, eager_replay):
+    """Tied in one call, exact (tests/test_silent.py); graphed by two calls, the second call's
+    gradient goes through autograd and the first call's backward refuses the second use."""
+    first, second = _two_layers(device)
+    second.lin.weight = first.lin.weight
+    a = make_graphed_callables(first, (_x(device),), eager_replay=eager_replay)
+    b = make_graphed_callables(second, (_x(device),), eager_replay=eager_replay)
+    with pytest.raises(RuntimeError, match=r"callable 0 \(Lin\): this backward reaches parameter 'lin\.weight' by "
+                       r"another way too \(.*or read by the graphs of another make_graphed_callables call\)"):
+        b(a(_x(device))).sum().backward()
+
+
+@pytest.mark.parametrize("device, eager_replay", REPLAY_MODES)
+def test_inputs_sharing_memory_with_one_the_forward_updates_are_refused(device, eager_replay):
+    class Accumulates(Lin):
+        def forward(self, x, acc=None, bias=None):
+            acc.add_(1.0)  # a running statistic passed in, then the other keyword read
+            return self.lin(x) + bias
+
+    m = Accumulates(device)
+    samples = {"acc": torch.zeros(4, device=device), "bias": torch.zeros(4, device=device)}
+    graphed = make_graphed_callables(m, (_x(device),), sample_kwargs=samples, eager_replay=eager_replay)
+    t = torch.zeros(4, device=device)
+    with pytest.raises(RuntimeError, match=r"callable 0 \(Accumulates\): inputs 1 and 2 share memory, and the forward "
+                       r"updates input 1 in place; .* Pass tensors that do not share memory"):
+        graphed(_x(device), acc=t, bias=t)
+    assert torch.equal(t, torch.zeros(4, device=device)), "nothing ran"
+    acc, bias = torch.zeros(4, device=device), torch.zeros(4, device=device)
+    graphed(_x(device), acc=acc, bias=bias)
+    assert torch.equal(acc, torch.ones(4, device=device))
+
+
+def test_a_keyword_object_holding_tensors_is_refused_at_graphing():
+    """Not a pytree, such an object (Megatron's PackedSeqParams, a dataclass of cu_seqlens)
+    would be compared as a constant while the graph reads its tensors by address."""
+
+    @dataclasses.dataclass
+    class SequenceInfo:
+        cu_seqlens: torch.Tensor
+
+    class Packed(Lin):
+        def forward(self, x, info=None):
+            return self.lin(x) * info.cu_seqlens[-1]
+
+    m = Packed()
+    forward = m.forward
+    with pytest.raises(TypeError, match=r"keyword argument 'info' of callable 0 \(Packed\) is a SequenceInfo holding "
+                       r"tensors \(its 'cu_seqlens'\), which is not a pytree: .* register the class as a pytree node"):
+        make_graphed_callables(m, (_x(),), sample_kwargs={"info": SequenceInfo(torch.tensor([0, 3]))},
+                               eager_replay=True)
+    _unchanged(m, forward)
+    # A module passed along is model state, read by address like the callable's own: accepted.
+
+    class Activated(Lin):
+        def forward(self, x, act=None):
+            return act(self.lin(x))
+
+    m, act, x = Activated(), nn.Tanh(), torch.ones(3, 4)
+    want = m(x, act=act)
+    graphed = make_graphed_callables(m, (_x(),), sample_kwargs={"act": act}, eager_replay=True)
+    assert torch.equal(graphed(x, act=act), want)
 
 
 # -- GPU-only errors --------------------------------------------------------------------
