@@ -339,7 +339,6 @@ def _record(spec: GraphSpec, forward: _Forward, bwd_graph, grad_outputs, grad_in
         wgrad=wgrad,
         fused_params=tuple(spec.params[i] for i in sorted(warmup.fused_params)),
         fed=warmup.fed,
-        saved_outputs=warmup.saved_outputs,
     )
 
 

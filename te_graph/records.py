@@ -173,9 +173,6 @@ class WarmupRecord:
     # Per output, the other outputs whose backward delivers a gradient to it
     # (``warmup.outputs_fed``): it may go without one at a call where one of those gets one.
     fed: tuple = ()
-    # The outputs whose memory the backward reads (autograd saved them, or views of them): an
-    # in-place update of one between a call and its backward is refused, as eager's is.
-    saved_outputs: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -200,4 +197,3 @@ class CapturedGraph:
     # Transformer Engine's backward does for weights it accumulates into main_grad itself.
     fused_params: tuple = ()
     fed: tuple = ()  # WarmupRecord.fed: which outputs may go without a gradient, and when
-    saved_outputs: tuple[int, ...] = ()  # WarmupRecord.saved_outputs

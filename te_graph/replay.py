@@ -219,7 +219,7 @@ class Invocation:
     """One forward call's state, kept on its autograd node until its backward."""
 
     __slots__ = ("generation", "tick", "record", "copy_grads", "outputs", "backwards", "through_autograd", "fp8_first",
-                 "hooks_seen", "versions", "__weakref__")
+                 "hooks_seen", "__weakref__")
 
     def __init__(self, generation: int, tick: int, record: tuple, copy_grads: tuple, through_autograd: bool,
                  outputs: Any = None, fp8_first: bool = False, hooks_seen: int = OBSERVED):
@@ -235,7 +235,6 @@ class Invocation:
         # them): the process's hook-handle count then (``Runner._check_in_graph_backward``);
         # else OBSERVED.
         self.hooks_seen = hooks_seen
-        self.versions: tuple = ()  # graphs: the version counts of the outputs the backward reads
 
 
 
@@ -515,7 +514,6 @@ class GraphRunner(Runner):
         self.output = graph.output
         self.static_outputs = graph.output.tensors
         self.handout = GraphOutputs(self.name, self.static_outputs, spec)
-        self.saved_outputs = graph.saved_outputs
         self._take_outputs(self.static_outputs, graph.fed)
         self.always_autograd = options.always_autograd
         self.clone_param_grads = options.clone_param_grads
@@ -573,8 +571,6 @@ class GraphRunner(Runner):
         outputs = self.handout.tensors()
         invocation = Invocation(self.generation, tick, record, copy_grads, through_autograd, None, fp8_first,
                                 OBSERVED if through_autograd else compat.hook_handles_made())
-        if self.saved_outputs and with_backward:
-            invocation.versions = self.handout.versions(self.saved_outputs)
         return (self._issued(invocation) if with_backward else invocation), outputs
 
     def backward(self, invocation: Invocation, grads: tuple) -> tuple:
@@ -586,8 +582,6 @@ class GraphRunner(Runner):
         if invocation.hooks_seen != OBSERVED and not inputs_only:
             self._check_in_graph_backward(invocation)
         self._before_backward(invocation, grads)
-        if invocation.versions and self.handout.versions(self.saved_outputs) != invocation.versions:
-            self._refuse_updated_output(invocation)
         graph = self.graph
         for slot, g in zip(self.grad_output_slots, grads):
             if slot is None:
@@ -624,17 +618,6 @@ class GraphRunner(Runner):
         if through_autograd:
             return input_grads + graph.param_grads.for_autograd(self.clone_param_grads)
         return input_grads + (None,) * len(self.anchor)
-
-    def _refuse_updated_output(self, invocation: Invocation) -> None:
-        now = self.handout.versions(self.saved_outputs)
-        index = next(i for i, then, v in zip(self.saved_outputs, invocation.versions, now) if v != then)
-        raise RuntimeError(
-            f"{self.name}: output {index} was modified by an in-place operation after this call, "
-            "and its backward reads it (autograd saved it): the backward graph would compute "
-            "gradients from the modified values, where eager autograd refuses the backward "
-            "(\"one of the variables needed for gradient computation has been modified by an "
-            "inplace operation\"). Update a copy (y = y + ...), or clone the output first."
-        )
 
     def _run_wgrad(self) -> None:
         self.graph.wgrad.run()
@@ -819,11 +802,6 @@ class GraphOutputs:
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return tuple(t.detach() for t in self._current)
-
-    def versions(self, indices: tuple[int, ...]) -> tuple[int, ...]:
-        """The version counts of outputs ``indices`` as handed out (shared by the detached
-        tensors a call returns, so a caller's in-place update of one moves it)."""
-        return tuple(self._current[i]._version for i in indices)
 
 
 class EagerOutputs:

@@ -61,7 +61,6 @@ def warm_up(
     idle_seen: dict[int, frozenset] = {}  # parameters the first backward gave no gradient
     fused_seen: dict[int, frozenset] = {}
     fed_seen: dict[int, tuple] = {}  # per output, the outputs whose backward feeds it (outputs_fed)
-    saved_seen: dict[int, tuple] = {}  # outputs whose memory the backward reads
     draws: dict[int, tuple[Optional[StreamUse], Optional[StreamUse]]] = {}
     for iteration in range(num_iters):
         first, last = iteration == 0, iteration == num_iters - 1
@@ -73,9 +72,8 @@ def warm_up(
             leaves = ForeignLeaves(spec.name, spec.static_inputs + stand_ins(spec.params)) if first and spec.needs_backward else None
             visiting = visited_te_modules(spec.func) if first and spec.has_te else contextlib.nullcontext(None)
             guard = fp8.checkpoint_guard(spec.name) if first and fp8 is not None and spec.fp8 else contextlib.nullcontext()
-            saved = SavedStorages() if first and spec.needs_backward else contextlib.nullcontext(None)
             with leaves if leaves is not None else contextlib.nullcontext():
-                with visiting as te_modules, guard, saved as saved_storages:
+                with visiting as te_modules, guard:
                     outputs, forward_use = _forward(spec, watch, tracker, leaves, fp8)
                 if te_modules is not None:
                     te_seen[index] = tuple(te_modules)
@@ -90,7 +88,6 @@ def warm_up(
                     updated_seen[index] = _check_updated(spec, inputs.close())
                     if spec.needs_backward:
                         fed_seen[index] = outputs_fed(layout.tensors)
-                        saved_seen[index] = saved_storages.outputs_among(layout.tensors)
                     del layout
                 backward_use = None
                 if spec.needs_backward:
@@ -118,7 +115,6 @@ def warm_up(
             unused_params=idle_seen.get(i, frozenset()),
             fused_params=fused_seen.get(i, frozenset()),
             fed=fed_seen.get(i, ()),
-            saved_outputs=saved_seen.get(i, ()),
         )
         for i in range(len(specs))
     ]
@@ -205,46 +201,6 @@ def _backward(spec: GraphSpec, stand_ins: StandIns, outputs: Any, device, tracke
         if "grad_added_to_main_grad" in p.__dict__:
             p.grad_added_to_main_grad = False
     return unused, draws.close() if draws is not None else None, learned, idle, fused
-
-
-class SavedStorages:
-    """Inside: the storages of the tensors autograd saves for the backward (a pack hook that
-    only looks and hands autograd the tensor itself: a backward reading attributes of a saved
-    parameter, such as megatron-core's ``weight.main_grad``, finds them). An output saved by
-    its own node then refers to itself until the backward frees what was saved, which
-    warmup's backward does at once. Saved tensors of regions with hooks of their own (a
-    non-reentrant checkpoint's) are not seen; those regions recompute what they save."""
-
-    def __init__(self) -> None:
-        self.pointers: set[int] = set()
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        with contextlib.suppress(RuntimeError, NotImplementedError):  # a subclass without storage
-            pointer = t.untyped_storage().data_ptr()
-            if pointer:  # not an empty tensor's
-                self.pointers.add(pointer)
-        return t
-
-    def __enter__(self) -> "SavedStorages":
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._hooks.__exit__(*exc)
-
-    def outputs_among(self, outputs: Sequence[torch.Tensor]) -> tuple[int, ...]:
-        """The outputs whose storage a saved tensor is (they or views of them)."""
-        found = []
-        for i, o in enumerate(outputs):
-            with contextlib.suppress(RuntimeError, NotImplementedError):
-                if o.untyped_storage().data_ptr() in self.pointers:
-                    found.append(i)
-        return tuple(found)
-
-
-def _unpack(t: torch.Tensor) -> torch.Tensor:
-    return t
 
 
 def outputs_fed(tensors: Sequence[torch.Tensor]) -> tuple[frozenset, ...]:
