@@ -7,6 +7,7 @@ or constants, and a flat tuple (or single tensor) out.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -39,19 +40,16 @@ class _Leaf:
 
 
 def _tensor_attribute(value: Any) -> Any:
-    """The name of an attribute of ``value`` (an object pytree does not open, such as a
-    dataclass of sequence metadata) that holds a tensor, directly or in a pytree, else None.
-    Objects without a ``__dict__`` (numbers, strings, process groups) hold none here, and a
-    module passed along is model state, read by address like the callable's own parameters."""
-    if isinstance(value, torch.nn.Module):
+    """The name of a field of ``value``, a dataclass instance pytree does not open (a record
+    of sequence metadata: megatron-core's ``PackedSeqParams``), that holds a tensor, directly
+    or in a pytree; else None. Other objects are left alone: a module passed along is model
+    state, read by address like the callable's own parameters, and framework objects keep
+    tensors of their own that no forward reads as data (a ``DeviceMesh``'s rank map)."""
+    if not dataclasses.is_dataclass(value) or isinstance(value, type):
         return None
-    try:
-        attributes = vars(value)
-    except TypeError:
-        return None
-    for attribute, held in attributes.items():
-        if any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(held)):
-            return attribute
+    for field in dataclasses.fields(value):
+        if any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(getattr(value, field.name, None))):
+            return field.name
     return None
 
 

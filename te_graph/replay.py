@@ -459,13 +459,14 @@ class Runner:
         return repr(names.get(id(p), f"of shape {tuple(p.shape)}"))
 
     def _check_updated_apart(self, inputs: tuple[torch.Tensor, ...]) -> None:
-        """Each input the forward updates in place shares no memory with another input: each
-        input is read from a buffer of its own, so the other would not see the update that
-        eager code sees through the shared memory."""
+        """Each input the forward updates in place overlaps no other input's bytes: each input
+        is read from a buffer of its own, so the other would not see the update that eager
+        code sees through the shared memory. (Disjoint slices of one buffer pass; strided
+        views whose address ranges interleave are refused, without looking at each byte.)"""
         for index in self.updated:
             t = inputs[index]
             for other, u in enumerate(inputs):
-                if other != index and shares_memory(t, u):
+                if other != index and _overlap(t, u):
                     raise RuntimeError(
                         f"{self.name}: inputs {index} and {other} share memory, and the forward updates "
                         f"input {index} in place; eager code would see the update through input {other} "
@@ -579,9 +580,9 @@ class GraphRunner(Runner):
         # backward(inputs=...)) leaves the parameters' .grad alone, as eager autograd does:
         # the graph still accumulates into the buffers, which are put back afterwards.
         inputs_only = self._inputs_only(invocation)
+        self._before_backward(invocation, grads)
         if invocation.hooks_seen != OBSERVED and not inputs_only:
             self._check_in_graph_backward(invocation)
-        self._before_backward(invocation, grads)
         graph = self.graph
         for slot, g in zip(self.grad_output_slots, grads):
             if slot is None:
@@ -698,9 +699,9 @@ class EagerRunner(Runner):
 
     def backward(self, invocation: Invocation, grads: tuple) -> tuple:
         inputs_only = self._inputs_only(invocation)
+        self._before_backward(invocation, grads)
         if invocation.hooks_seen != OBSERVED and not inputs_only:
             self._check_in_graph_backward(invocation)
-        self._before_backward(invocation, grads)
         self._replaying_backward()
         pairs = [(o, g) for o, g in zip(invocation.outputs, grads) if o.requires_grad]
         outputs = [o for o, _ in pairs]
@@ -853,6 +854,22 @@ class _Slot:
         storage = tensor.untyped_storage()
         self.lo = storage.data_ptr()
         self.hi = self.lo + storage.nbytes()
+
+
+def _address_range(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes ``t`` may touch: from its first element's address to past its last."""
+    if t.numel() == 0:
+        return 0, 0
+    start = t.data_ptr()
+    return start, start + (sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1) * t.element_size()
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` may share bytes: one storage, overlapping address ranges."""
+    if not shares_memory(a, b):
+        return False
+    (a0, a1), (b0, b1) = _address_range(a), _address_range(b)
+    return a0 < b1 and b0 < a1
 
 
 def _copy_in(slot: _Slot, t: torch.Tensor) -> None:

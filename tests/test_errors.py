@@ -275,6 +275,11 @@ def test_inputs_sharing_memory_with_one_the_forward_updates_are_refused(device, 
     acc, bias = torch.zeros(4, device=device), torch.zeros(4, device=device)
     graphed(_x(device), acc=acc, bias=bias)
     assert torch.equal(acc, torch.ones(4, device=device))
+    # Disjoint slices of one buffer share no bytes: accepted, as in eager.
+    buffer = torch.zeros(8, device=device)
+    y = graphed(_x(device), acc=buffer[:4], bias=buffer[4:])
+    assert torch.equal(buffer, torch.tensor([1.0] * 4 + [0.0] * 4, device=device))
+    del y
 
 
 def test_a_keyword_object_holding_tensors_is_refused_at_graphing():
@@ -306,6 +311,20 @@ def test_a_keyword_object_holding_tensors_is_refused_at_graphing():
     want = m(x, act=act)
     graphed = make_graphed_callables(m, (_x(),), sample_kwargs={"act": act}, eager_replay=True)
     assert torch.equal(graphed(x, act=act), want)
+
+    # So is a framework object that is no dataclass, whatever tensors it keeps of its own
+    # (a DeviceMesh's rank map): only dataclass records are taken for data.
+    class Mesh:
+        def __init__(self):
+            self.rank_map = torch.arange(2)
+
+    class Meshed(Lin):
+        def forward(self, x, mesh=None):
+            return self.lin(x)
+
+    mesh, m = Mesh(), Meshed()
+    graphed = make_graphed_callables(m, (_x(),), sample_kwargs={"mesh": mesh}, eager_replay=True)
+    assert torch.equal(graphed(x, mesh=mesh), m.lin(x))
 
 
 # -- GPU-only errors --------------------------------------------------------------------
