@@ -237,7 +237,6 @@ class Invocation:
         self.hooks_seen = hooks_seen
 
 
-
 class Runner:
     """What both runners share: the call's checks and bookkeeping around the static inputs.
 
