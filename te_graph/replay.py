@@ -659,7 +659,8 @@ class EagerRunner(Runner):
         used = [p for i, p in enumerate(spec.params) if i not in warmup.unused_params]
         routed = used if options.always_autograd else [spec.params[i] for i in sorted(spec.tied_params)]
         self.routed = StandIns([spec.func], only=routed) if routed and isinstance(spec.func, torch.nn.Module) else None
-        self._watch(tuple(used))  # unrouted, the real parameters take their gradients in the nested backward
+        if spec.needs_backward:  # unrouted, the real parameters take their gradients in the nested backward
+            self._watch(tuple(used))
         self.handout = EagerOutputs(self.name, spec)
 
     def through_autograd(self) -> bool:
