@@ -70,11 +70,6 @@ def global_hooks_run_at_capture_only(module: torch.nn.Module, routed: bool) -> b
     return routed or next(itertools.islice(module.modules(), 1, None), None) is not None
 
 
-# An unmoved counter and unchanged table sizes mean the same hooks; where the counter is
-# missing (-1), the tables' keys are compared instead.
-_handles_made = compat.hook_handles_made
-
-
 _REGRAPH = (
     "A graph replays what it captured, so this call would not follow the change. Graph it "
     "again after changing the model: te_graph.reset(...) frees the graphs and gives a module "
@@ -199,7 +194,7 @@ class FrozenModule:
         self._hook_owners = tuple(hook_owners)
         self._hook_sizes = tuple(map(len, hook_tables))
         self._hook_keys = tuple(map(tuple, hook_tables))  # handle ids: a new hook has a new one
-        self._handles_made = _handles_made()
+        self._handles_made = compat.hook_handles_made()
         self._hooks_at_capture = tuple(tuple(table.values()) for table in hook_tables)
         # The hooks megatron-core's helper runs by hand, as the hook tables were last accepted
         # with: a helper that stops running them makes those hooks a change again. Its list
@@ -237,12 +232,13 @@ class FrozenModule:
 
     def _same_hooks(self) -> bool:
         """Whether every hook table holds the hooks it held at the last check: one integer
-        compare while no hook was registered anywhere, else the tables' keys (a hook removed
-        and another added keeps a table's size, never its keys)."""
+        compare while no hook was registered anywhere (``compat.hook_handles_made``; where
+        torch lacks the counter, -1), else the tables' keys (a hook removed and another added
+        keeps a table's size, never its keys)."""
         manual = megatron.manual_hooks(self.module)
         if manual is not self._manual or len(manual or ()) != self._manual_len:
             return False
-        made = _handles_made()
+        made = compat.hook_handles_made()
         if made == self._handles_made and made >= 0:
             return tuple(map(len, self._hook_tables)) == self._hook_sizes
         if tuple(map(tuple, self._hook_tables)) != self._hook_keys:
@@ -285,7 +281,7 @@ class FrozenModule:
         for name, p, then in zip(self._param_names, self._params, self._grads):
             if p.requires_grad != then:
                 found.append(f"parameter {name!r} {'now requires' if p.requires_grad else 'no longer requires'} grad")
-        made = _handles_made()
+        made = compat.hook_handles_made()
         sizes = tuple(map(len, self._hook_tables))
         megatron_hooks = megatron.hooks_run_by_hand(self.module)
         by_hand = megatron.modules_run_by_hand(self.module)

@@ -306,7 +306,7 @@ class Runner:
         waiting = self._waiting()
         return waiting is not None and waiting.backwards == 0
 
-    def _before_forward(self) -> None:
+    def _before_forward(self, inputs: tuple[torch.Tensor, ...]) -> None:
         if self.awaits_backward():
             raise RuntimeError(
                 f"{self.name}: called again while the backward of its previous call has not run; "
@@ -322,6 +322,8 @@ class Runner:
         order = self.order
         if order.activations & self.refused_at_forward or order.queued & self.refused_queued_at_forward:
             order.check(self, self.refused_at_forward, self.refused_queued_at_forward, "forward")
+        if self.updated:
+            self._check_updated_apart(inputs)
 
     def _take_outputs(self, outputs: tuple[torch.Tensor, ...], fed: tuple) -> None:
         """Which outputs take no gradient, and whether several do (a backward where one of
@@ -354,7 +356,10 @@ class Runner:
         if self.order.retained:
             self.order.mark(self, self.refused_at_backward)
 
-    def _before_backward(self, invocation: Invocation, grads: tuple) -> None:
+    def _before_backward(self, invocation: Invocation, grads: tuple) -> bool:
+        """The backward's refusals; returns whether it is asked only for some inputs'
+        gradients (``_inputs_only``: no parameter takes one)."""
+        inputs_only = self._inputs_only(invocation)
         # The refusal first, so that a caller who catches it and retries gets it again.
         if self.multi_output:
             missing = next((i for i, g in enumerate(grads) if g is None and i not in self.non_differentiable
@@ -378,6 +383,9 @@ class Runner:
         if order.retained and invocation.backwards and invocation.generation == self.generation:
             order.check_kept(self, self.bit)
         self._check_fresh(invocation)
+        if invocation.hooks_seen != OBSERVED and not inputs_only:
+            self._check_in_graph_backward(invocation)
+        return inputs_only
 
     def _after_backward(self) -> None:
         order = self.order
@@ -550,9 +558,7 @@ class GraphRunner(Runner):
     def forward(self, inputs: tuple[torch.Tensor, ...], through_autograd: bool, with_backward: bool = True,
                 is_first_microbatch: Any = None) -> tuple[Invocation, tuple]:
         graph = self.graph
-        self._before_forward()
-        if self.updated:
-            self._check_updated_apart(inputs)
+        self._before_forward(inputs)
         fp8_first = graph.fp8.before_forward(self.name, is_first_microbatch)
         self._copy_inputs(inputs)
         copy_grads = tuple(map(self._grad_copied, inputs, graph.static_grad_inputs)) if with_backward else ()
@@ -578,10 +584,7 @@ class GraphRunner(Runner):
         # A backward asked only for some inputs' gradients (torch.autograd.grad, or
         # backward(inputs=...)) leaves the parameters' .grad alone, as eager autograd does:
         # the graph still accumulates into the buffers, which are put back afterwards.
-        inputs_only = self._inputs_only(invocation)
-        self._before_backward(invocation, grads)
-        if invocation.hooks_seen != OBSERVED and not inputs_only:
-            self._check_in_graph_backward(invocation)
+        inputs_only = self._before_backward(invocation, grads)
         graph = self.graph
         for slot, g in zip(self.grad_output_slots, grads):
             if slot is None:
@@ -670,9 +673,7 @@ class EagerRunner(Runner):
     def forward(self, inputs: tuple[torch.Tensor, ...], through_autograd: bool, with_backward: bool = True,
                 is_first_microbatch: Any = None) -> tuple[Invocation, tuple]:
         spec = self.spec
-        self._before_forward()
-        if self.updated:
-            self._check_updated_apart(inputs)
+        self._before_forward(inputs)
         self.fp8.before_forward(self.name, is_first_microbatch)
         self._copy_inputs(inputs)
         tick = self.clock.forward(self.variant, self.shape)
@@ -698,10 +699,7 @@ class EagerRunner(Runner):
         return (self._issued(invocation) if with_backward else invocation), detached
 
     def backward(self, invocation: Invocation, grads: tuple) -> tuple:
-        inputs_only = self._inputs_only(invocation)
-        self._before_backward(invocation, grads)
-        if invocation.hooks_seen != OBSERVED and not inputs_only:
-            self._check_in_graph_backward(invocation)
+        inputs_only = self._before_backward(invocation, grads)
         self._replaying_backward()
         pairs = [(o, g) for o, g in zip(invocation.outputs, grads) if o.requires_grad]
         outputs = [o for o, _ in pairs]
