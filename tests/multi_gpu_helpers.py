@@ -546,6 +546,17 @@ def rng_streams(ctx: Rank) -> dict:
 
 
 # -- the training example under a torchrun-like launch ---------------------------------------------
+def fresh_process_env(ranks: int = 1) -> dict:
+    """The environment of a fresh process (the Megatron examples' and probes'): no torchrun
+    variables of this one, the multi-GPU rules, and with one rank this worker's GPU alone."""
+    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+    for name in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(name, None)
+    if torch.cuda.is_available() and ranks == 1:
+        env["CUDA_VISIBLE_DEVICES"] = str(torch.cuda.current_device())
+    return env
+
+
 def _free_port() -> int:
     import socket
 

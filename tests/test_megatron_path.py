@@ -32,6 +32,7 @@ import pytest
 import torch
 
 from examples import megatron_gpt
+from tests.multi_gpu_helpers import fresh_process_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
@@ -103,19 +104,8 @@ def _example(tmp_path, setup: list[str], graphs: str = "eager,te_graph,te_graph_
     """The example in a fresh process on this worker's GPU, or under torchrun on ``ranks`` GPUs."""
     arguments = ["--graphs", graphs, "--steps", "4", "--layers", "2", "--hidden", "256", "--heads", "4", "--seq", "128",
                  *setup, "--out", str(tmp_path / "records.pt")]
-    return subprocess.run(megatron_gpt.command(arguments, ranks), cwd=ROOT, env=_process_env(ranks),
+    return subprocess.run(megatron_gpt.command(arguments, ranks), cwd=ROOT, env=fresh_process_env(ranks),
                           capture_output=True, text=True, timeout=900)
-
-
-def _process_env(ranks: int = 1) -> dict:
-    """The environment of a fresh Megatron process: no torchrun variables of this one, the
-    multi-GPU rules, and with one rank this worker's GPU alone."""
-    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
-    for name in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        env.pop(name, None)
-    if torch.cuda.is_available() and ranks == 1:
-        env["CUDA_VISIBLE_DEVICES"] = str(torch.cuda.current_device())
-    return env
 
 
 def _run(tmp_path, setup: list[str], ranks: int = 1, graphs: str = "eager,te_graph,te_graph_replay") -> list[dict]:
@@ -190,7 +180,7 @@ else:
 
 
 def _hooked(graphs: str, kind: str, target: str) -> str:
-    done = subprocess.run([sys.executable, "-c", _HOOKED, graphs, kind, target], cwd=ROOT, env=_process_env(),
+    done = subprocess.run([sys.executable, "-c", _HOOKED, graphs, kind, target], cwd=ROOT, env=fresh_process_env(),
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     return done.stdout

@@ -45,11 +45,10 @@ CALLS = [("train", SEQ, True), ("router sends fewer than top-k", SEQ, None), ("e
 
 @pytest.mark.parametrize("permute_fusion", [False, True], ids=["unfused-permute", "fused-permute"])
 def test_each_call_is_served_exactly_or_handed_to_megatron_core(permute_fusion):
-    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-           "CUDA_VISIBLE_DEVICES": str(torch.cuda.current_device())}
-    for name in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        env.pop(name, None)
-    done = subprocess.run([sys.executable, os.path.abspath(__file__), str(int(permute_fusion))], cwd=ROOT, env=env,
+    from tests.multi_gpu_helpers import fresh_process_env  # noqa: PLC0415 (this file also runs as the script)
+
+    done = subprocess.run([sys.executable, os.path.abspath(__file__), str(int(permute_fusion))], cwd=ROOT,
+                          env=fresh_process_env(),
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert "all calls checked" in done.stdout, done.stdout[-2000:]
