@@ -84,7 +84,9 @@ def make_graphed_callables(
         sample_args: per callable, a tuple of sample tensors (pytrees of tensors); a plain
             tuple of tensors when ``modules`` is a single callable. With ``order``, one
             tuple per (chunk, microbatch, layer), as Transformer Engine lays them out.
-        num_warmup_iters: eager warmup passes before capture (at least 1).
+        num_warmup_iters: eager warmup passes before capture (at least 1). The last of
+            two or more finds the outputs each backward reads; with one, every output
+            counts as read (an in-place update of any before its backward is refused).
         allow_unused_input: allow inputs that require grad but that no output depends on.
         sample_kwargs: per callable, a dict of keyword args (tensors or constants; a
             constant must have the same value at every call). torch's 5th positional

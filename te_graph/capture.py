@@ -122,7 +122,8 @@ def prepare_graphs(spec_sets: Sequence[Sequence[GraphSpec]], steps: Sequence[Ste
                 with stand_ins.scratch_main_grads():
                     warmups = [
                         warm_up(shape_specs, steps, passes, options.allow_unused_input,
-                                options.tracker, not options.eager_replay, stand_ins, state, updates, fp8)
+                                options.tracker, not options.eager_replay, stand_ins, state, updates, fp8,
+                                find_saved=options.num_warmup_iters >= 2)
                         for shape_specs in spec_sets
                     ]
                 if options.post_warmup_hook is not None:
@@ -339,6 +340,7 @@ def _record(spec: GraphSpec, forward: _Forward, bwd_graph, grad_outputs, grad_in
         wgrad=wgrad,
         fused_params=tuple(spec.params[i] for i in sorted(warmup.fused_params)),
         fed=warmup.fed,
+        saved=warmup.saved,
     )
 
 

@@ -34,6 +34,8 @@ __all__ = [
     "zero_",
     "version_of",
     "bump_version",
+    "is_saved_version_error",
+    "is_inplace_refusal",
     "is_fake",
     "numerics_settings",
     "NUMERICS_SETTINGS",
@@ -145,6 +147,21 @@ def zero_(tensors: Sequence[torch.Tensor]) -> None:
 # (``torch.autograd.graph.increment_version``, public since torch 2.1).
 version_of = operator.attrgetter("_version")
 bump_version: Callable[[torch.Tensor], None] = torch.autograd.graph.increment_version
+
+
+def is_saved_version_error(error: BaseException) -> bool:
+    """Whether ``error`` is autograd's refusal to use a saved tensor whose version counter
+    moved after it was saved (its message since torch 1.x: "one of the variables needed for
+    gradient computation has been modified by an inplace operation")."""
+    return isinstance(error, RuntimeError) and "modified by an inplace operation" in str(error)
+
+
+def is_inplace_refusal(error: BaseException) -> bool:
+    """Whether ``error`` is autograd refusing a tensor updated in place: a saved one
+    (``is_saved_version_error``), or a view a custom Function returned, whose base changed
+    ("... is a view and its base or another view of its base has been modified inplace",
+    raised where autograd would rebase the view's custom backward)."""
+    return is_saved_version_error(error) or (isinstance(error, RuntimeError) and "has been modified inplace" in str(error))
 
 
 def is_fake(t: torch.Tensor) -> bool:

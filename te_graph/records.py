@@ -23,7 +23,7 @@ from .layout import InputLayout, OutputLayout
 from .recompute_rng import StreamUse
 from .wgrad import DelayedWgrad
 
-__all__ = ["GraphSpec", "make_spec", "SampleMemory", "none_default_keywords", "WarmupRecord", "CapturedGraph"]
+__all__ = ["GraphSpec", "make_spec", "SampleMemory", "none_default_keywords", "SavedOutputs", "WarmupRecord", "CapturedGraph"]
 
 
 @dataclass(frozen=True)
@@ -154,6 +154,17 @@ def none_default_keywords(call: Callable) -> frozenset:
 
 
 @dataclass(frozen=True)
+class SavedOutputs:
+    """The outputs whose backward reads them (autograd saved them): an in-place update of
+    one between a call's forward and its backward is refused, as eager autograd refuses it.
+    Found in the last warmup pass (``warmup.saved_outputs``); with a single pass there is
+    none to find them in, and every differentiable output counts (``probed`` False)."""
+
+    indices: tuple[int, ...] = ()  # into the output layout's tensors
+    probed: bool = True
+
+
+@dataclass(frozen=True)
 class WarmupRecord:
     """What the warmup passes learned about one graph."""
 
@@ -173,6 +184,7 @@ class WarmupRecord:
     # Per output, the other outputs whose backward delivers a gradient to it
     # (``warmup.outputs_fed``): it may go without one at a call where one of those gets one.
     fed: tuple = ()
+    saved: SavedOutputs = SavedOutputs()  # the outputs its backward reads
 
 
 @dataclass(frozen=True)
@@ -197,3 +209,4 @@ class CapturedGraph:
     # Transformer Engine's backward does for weights it accumulates into main_grad itself.
     fused_params: tuple = ()
     fed: tuple = ()  # WarmupRecord.fed: which outputs may go without a gradient, and when
+    saved: SavedOutputs = SavedOutputs()  # WarmupRecord.saved

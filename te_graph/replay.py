@@ -30,7 +30,7 @@ from .te_support import accepts_is_first_microbatch
 from .grads import grads_redirected
 from .parameters import StandIns
 from .module_state import shares_memory
-from .records import CapturedGraph, GraphSpec, WarmupRecord
+from .records import CapturedGraph, GraphSpec, SavedOutputs, WarmupRecord
 from .wgrad import DelayedWgrad, WgradBook, check_grads_as_captured, check_still_delayed, run_backward_dw
 
 __all__ = ["ReplayOptions", "Clock", "NO_CLOCK", "ReplayOrder", "OrderSlot", "Runner", "GraphRunner", "EagerRunner",
@@ -251,8 +251,11 @@ class Runner:
 
     def __init__(self, spec: GraphSpec, clock: Any, variant: int, updated: tuple[int, ...],
                  wgrad_book: Optional[WgradBook] = None, wgrad: Optional[DelayedWgrad] = None,
-                 slot: Optional[OrderSlot] = None):
+                 slot: Optional[OrderSlot] = None, saved: SavedOutputs = SavedOutputs()):
         self.name = spec.name
+        # The outputs its backward reads: kept on each call's autograd node, so that one
+        # updated in place before the backward is refused as eager autograd refuses it.
+        self.saved = saved
         self.owner = spec.owner
         # The call's weight-gradient passes waiting (``wgrad``); None where it has none.
         self.wgrad_book = wgrad_book
@@ -481,6 +484,25 @@ class Runner:
                         "do not share memory (a .clone() of one)."
                     )
 
+    def check_saved_outputs(self, node: Any) -> None:
+        """Before the backward of a call whose outputs its backward reads (``saved``): none
+        was updated in place since the forward. The call's node saved them, so autograd's
+        own version check finds an update, as it does for eager code."""
+        try:
+            node.saved_tensors
+        except RuntimeError as error:
+            if not compat.is_saved_version_error(error):
+                raise
+            unknown = "" if self.saved.probed else (
+                " (with num_warmup_iters=1 te_graph cannot tell which outputs the backward reads, and takes "
+                "every one as read; graph with num_warmup_iters >= 2 if the updated output is not)")
+            raise RuntimeError(
+                f"{self.name}: an output of this call was updated in place after its forward, and the backward "
+                "reads that output, as eager autograd's does: one of the variables needed for gradient "
+                "computation has been modified by an inplace operation, which eager autograd refuses too"
+                f"{unknown}. Update a copy of the output (y = y + ...) instead."
+            ) from error
+
     def _check_fresh(self, invocation: Invocation) -> None:
         invocation.backwards += 1
         if invocation.backwards > 1 and not self.retains_graph:
@@ -511,7 +533,7 @@ class GraphRunner(Runner):
     def __init__(self, spec: GraphSpec, graph: CapturedGraph, options: ReplayOptions, clock: Any = NO_CLOCK, variant: int = 0,
                  wgrad_book: Optional[WgradBook] = None, slot: Optional[OrderSlot] = None):
         super().__init__(spec, clock, variant, graph.updated_inputs, wgrad_book,
-                         graph.wgrad.learned if graph.wgrad is not None else None, slot)
+                         graph.wgrad.learned if graph.wgrad is not None else None, slot, graph.saved)
         self.graph = graph
         if graph.param_grads is not None:
             self.params = graph.param_grads.params  # less those only the weight-gradient pass sets
@@ -647,7 +669,7 @@ class EagerRunner(Runner):
     def __init__(self, spec: GraphSpec, warmup: WarmupRecord, fp8: Any, clock: Any = NO_CLOCK, variant: int = 0,
                  wgrad_book: Optional[WgradBook] = None, options: ReplayOptions = ReplayOptions(),
                  slot: Optional[OrderSlot] = None):
-        super().__init__(spec, clock, variant, warmup.updated, wgrad_book, warmup.wgrad, slot)
+        super().__init__(spec, clock, variant, warmup.updated, wgrad_book, warmup.wgrad, slot, warmup.saved)
         self.spec = spec
         self.fp8 = fp8  # the checks an FP8 graph's calls get (te_support.fp8_replay)
         self.takes_first_microbatch = accepts_is_first_microbatch(spec.call)
@@ -899,13 +921,19 @@ class _Replay(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         if runner.non_differentiable:
             ctx.mark_non_differentiable(*(outputs[i] for i in runner.non_differentiable))
+        if runner.saved.indices:
+            ctx.save_for_backward(*(outputs[i] for i in runner.saved.indices))
         return outputs
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor) -> tuple:
+        runner = ctx.runner
         if torch.is_grad_enabled():
-            raise RuntimeError(_DOUBLE_BACKWARD.format(name=ctx.runner.name))
-        return (None, None, None) + ctx.runner.backward(ctx.invocation, grads)
+            raise RuntimeError(_DOUBLE_BACKWARD.format(name=runner.name))
+        # (A second backward without retain_graph has freed them: _check_fresh refuses it.)
+        if runner.saved.indices and (ctx.invocation.backwards == 0 or runner.retains_graph):
+            runner.check_saved_outputs(ctx)
+        return (None, None, None) + runner.backward(ctx.invocation, grads)
 
 
 _ReplayBackward = compat.backward_node_class(_Replay)  # the autograd node class of every graphed call

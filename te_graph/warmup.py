@@ -10,7 +10,11 @@ autotuning) happens here, outside any graph.
 The first pass checks that nothing but the inputs and the modules' parameters requires
 grad and that no input is unused; the last pass (graphs only) records which random
 streams each forward, backward and checkpointed region draws from, and where
-(``recompute_rng``). The result is one :class:`WarmupRecord` per graph.
+(``recompute_rng``). The last pass also finds the outputs each backward reads (autograd
+saved them), which a call may not update in place before its backward: it moves their
+version counters first, as an in-place update would, and where autograd then refuses the
+backward, it finds them one by one and runs the pass again (``_probed_backward``). The
+result is one :class:`WarmupRecord` per graph.
 """
 from __future__ import annotations
 
@@ -30,9 +34,9 @@ from .layout import OutputLayout
 from .module_state import InputUpdates, ModuleState, shares_memory
 from .parameters import ForeignLeaves, StandIns
 from .recompute_rng import BackwardDraws, ForwardDraws, StreamUse
-from .records import GraphSpec, WarmupRecord
+from .records import GraphSpec, SavedOutputs, WarmupRecord
 from .schedule import FORWARD, Step
-from .wgrad import DelayedWgrad, check_no_queued_work, delayed_wgrad_modules, learn_wgrad
+from .wgrad import DelayedWgrad, check_no_queued_work, delayed_wgrad_modules, drop_queued_work, learn_wgrad
 
 __all__ = ["warm_up", "grad_mode", "fp8_context", "differentiable", "outputs_fed"]
 
@@ -48,9 +52,12 @@ def warm_up(
     state: ModuleState,
     updates: InputUpdates,
     fp8: Optional[FP8Capture] = None,
+    find_saved: bool = True,
 ) -> list[WarmupRecord]:
     """Run the warmup passes over ``specs`` in the forward order of ``steps``; after each
-    pass, ``state`` compares what the forwards changed of the modules."""
+    pass, ``state`` compares what the forwards changed of the modules. ``find_saved``: the
+    last pass finds the outputs each backward reads (``_probed_backward``); it must not be
+    the first (the user asked for one pass: every output then counts as read)."""
     device = torch.device("cuda", torch.cuda.current_device()) if record_draws else None
     forwards = [step.flat_index for step in steps if step.kind == FORWARD]
     outputs_seen: dict[int, OutputLayout] = {}
@@ -61,6 +68,7 @@ def warm_up(
     idle_seen: dict[int, frozenset] = {}  # parameters the first backward gave no gradient
     fused_seen: dict[int, frozenset] = {}
     fed_seen: dict[int, tuple] = {}  # per output, the outputs whose backward feeds it (outputs_fed)
+    saved_seen: dict[int, SavedOutputs] = {}  # the outputs the backward reads (saved_outputs)
     draws: dict[int, tuple[Optional[StreamUse], Optional[StreamUse]]] = {}
     for iteration in range(num_iters):
         first, last = iteration == 0, iteration == num_iters - 1
@@ -92,8 +100,18 @@ def warm_up(
                 backward_use = None
                 if spec.needs_backward:
                     delayed = delayed_wgrad_modules(te_seen.get(index, ()))
-                    unused, backward_use, learned, idle, fused = _backward(
-                        spec, stand_ins, outputs, watch, tracker, delayed, wgrad_seen.get(index))
+                    known = wgrad_seen.get(index)
+                    if last and find_saved:
+                        saved_seen[index], outputs, forward_use, done = _probed_backward(
+                            spec, stand_ins, outputs, forward_use, watch, tracker, delayed, known, fp8)
+                    else:
+                        if last:  # every output counts as read
+                            found = _candidates(spec, outputs)
+                            saved_seen[index] = SavedOutputs(tuple(i for i, o in enumerate(found) if o is not None),
+                                                             probed=False)
+                            del found
+                        done = _backward(spec, stand_ins, outputs, watch, tracker, delayed, known)
+                    unused, backward_use, learned, idle, fused = done
                     if learned is not None:
                         wgrad_seen[index] = learned
                     if leaves is not None:
@@ -115,6 +133,7 @@ def warm_up(
             unused_params=idle_seen.get(i, frozenset()),
             fused_params=fused_seen.get(i, frozenset()),
             fed=fed_seen.get(i, ()),
+            saved=saved_seen.get(i, SavedOutputs()),
         )
         for i in range(len(specs))
     ]
@@ -180,27 +199,89 @@ def _backward(spec: GraphSpec, stand_ins: StandIns, outputs: Any, device, tracke
             s.grad_added_to_main_grad = False  # this backward sets it again, or not
     if spec.hooks is not None:
         spec.hooks.run("backward_pre_hooks", spec.func)
-    with grads_redirected(spec.grad_inputs):
-        if out:
-            torch.autograd.backward(out, grads)
-        # Read before the .grads are put back.
-        unused = tuple(i for i, t in enumerate(spec.static_inputs) if t.requires_grad and t.grad is None)
-    if spec.hooks is not None:
-        spec.hooks.run("backward_hooks", spec.func)
     stand = stand_ins(spec.params)
-    # A kernel that accumulated the weight gradient into main_grad itself says so with
-    # Megatron's flag (Transformer Engine's fuse_wgrad_accumulation; set on the stand-in).
-    fused = frozenset(i for i, s in enumerate(stand) if s.__dict__.get("grad_added_to_main_grad") is True)
-    learned = learn_wgrad(delayed, spec.params, stand, known) if delayed else None
-    if delayed:
-        check_no_queued_work(delayed, f"after {spec.name}'s weight-gradient pass in warmup: it runs more "
-                             "than once in one forward, which te_graph cannot graph")
-    idle = frozenset(i for i, p in enumerate(stand) if p.grad is None)  # eager leaves their .grad alone
-    for p in stand:
-        p.grad = None  # throwaway: the next pass starts clean
-        if "grad_added_to_main_grad" in p.__dict__:
-            p.grad_added_to_main_grad = False
+    try:
+        with grads_redirected(spec.grad_inputs):
+            if out:
+                torch.autograd.backward(out, grads)
+            # Read before the .grads are put back.
+            unused = tuple(i for i, t in enumerate(spec.static_inputs) if t.requires_grad and t.grad is None)
+        if spec.hooks is not None:
+            spec.hooks.run("backward_hooks", spec.func)
+        # A kernel that accumulated the weight gradient into main_grad itself says so with
+        # Megatron's flag (Transformer Engine's fuse_wgrad_accumulation; set on the stand-in).
+        fused = frozenset(i for i, s in enumerate(stand) if s.__dict__.get("grad_added_to_main_grad") is True)
+        learned = learn_wgrad(delayed, spec.params, stand, known) if delayed else None
+        if delayed:
+            check_no_queued_work(delayed, f"after {spec.name}'s weight-gradient pass in warmup: it runs more "
+                                 "than once in one forward, which te_graph cannot graph")
+        idle = frozenset(i for i, p in enumerate(stand) if p.grad is None)  # eager leaves their .grad alone
+    finally:
+        for p in stand:
+            p.grad = None  # throwaway: the next pass (or a probe's retry) starts clean
+            if "grad_added_to_main_grad" in p.__dict__:
+                p.grad_added_to_main_grad = False
     return unused, draws.close() if draws is not None else None, learned, idle, fused
+
+
+def _candidates(spec: GraphSpec, outputs: Any) -> list[torch.Tensor]:
+    """The outputs an in-place update could make a backward refuse, one per output of the
+    layout (``OutputLayout.tensors``), None where it cannot: not differentiable, or the
+    module's own memory (a view of a parameter, whose version counter is the parameter's)."""
+    own = tuple(spec.func.parameters()) + tuple(spec.func.buffers()) if isinstance(spec.func, torch.nn.Module) else ()
+    return [o if o.requires_grad and not any(shares_memory(o, m) for m in own) else None
+            for o in OutputLayout(spec.name, outputs).tensors]
+
+
+def _probed_backward(spec: GraphSpec, stand_ins: StandIns, outputs: Any, forward_use: Optional[StreamUse], device,
+                     tracker, delayed: tuple, known: Optional[DelayedWgrad],
+                     fp8: Optional[FP8Capture]) -> tuple[SavedOutputs, Any, Optional[StreamUse], tuple]:
+    """The last pass's backward, run after moving the version counter of every output, as an
+    in-place update of them would: where it runs through, the backward reads no output and
+    this was the pass's backward. Where autograd refuses it, the outputs it refuses are
+    found one by one and the pass's forward and backward run again. Counted as read: an
+    output a saved tensor shares its version counter with, and a view a custom Function
+    returned (eager autograd refuses any in-place update of it). Returns the outputs read,
+    the pass's outputs and draws, and what ``_backward`` found."""
+    candidates = _candidates(spec, outputs)
+    probe = [i for i, o in enumerate(candidates) if o is not None]
+    for i in probe:
+        _bump(candidates[i])
+    del candidates
+    try:
+        return SavedOutputs(), outputs, forward_use, _backward(spec, stand_ins, outputs, device, tracker, delayed, known)
+    except RuntimeError as error:
+        if not compat.is_inplace_refusal(error):
+            raise
+    drop_queued_work(delayed)
+    del outputs
+    read = tuple(probe) if len(probe) == 1 else tuple(i for i in probe if _reads(spec, i, stand_ins, tracker, delayed, known, fp8))
+    read = read or tuple(probe)  # refused only together (outputs sharing a version counter): all count
+    outputs, forward_use = _forward(spec, device, tracker, None, fp8)
+    return SavedOutputs(read), outputs, forward_use, _backward(spec, stand_ins, outputs, device, tracker, delayed, known)
+
+
+def _bump(t: torch.Tensor) -> None:
+    """Move ``t``'s version counter as an in-place update would, through a detached alias
+    (which shares the counter): on the output itself, a view a custom Function made, torch
+    raises (an in-place update of it would have to rebase its custom backward)."""
+    compat.bump_version(t.detach())
+
+
+def _reads(spec: GraphSpec, index: int, stand_ins: StandIns, tracker, delayed: tuple, known: Optional[DelayedWgrad],
+           fp8: Optional[FP8Capture]) -> bool:
+    """Whether the backward reads output ``index``: a forward, that output's version counter
+    moved, and a backward that autograd refuses or runs through."""
+    outputs, _ = _forward(spec, None, tracker, None, fp8)
+    _bump(_candidates(spec, outputs)[index])
+    try:
+        _backward(spec, stand_ins, outputs, None, tracker, delayed, known)
+    except RuntimeError as error:
+        if not compat.is_inplace_refusal(error):
+            raise
+        drop_queued_work(delayed)
+        return True
+    return False
 
 
 def outputs_fed(tensors: Sequence[torch.Tensor]) -> tuple[frozenset, ...]:

@@ -282,6 +282,66 @@ def test_inputs_sharing_memory_with_one_the_forward_updates_are_refused(device, 
     del y
 
 
+class TwoHeads(nn.Module):
+    """Output 0's backward reads it (ReLU's keeps its result); output 1's does not."""
+
+    def __init__(self, device="cpu"):
+        super().__init__()
+        self.lin = nn.Linear(4, 4, device=device)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return torch.relu(h), h * 2.0
+
+
+@pytest.mark.parametrize("device, eager_replay", REPLAY_MODES)
+@pytest.mark.parametrize("warmup", [3, 1], ids=["warmup3", "warmup1"])
+def test_an_output_the_backward_reads_updated_in_place_is_refused_as_eager_autograd_refuses_it(
+        device, eager_replay, warmup):
+    torch.manual_seed(0)
+    m = TwoHeads(device)
+    eager = TwoHeads(device)
+    eager.load_state_dict(m.state_dict())
+    graphed = make_graphed_callables(m, (_x(device),), eager_replay=eager_replay, num_warmup_iters=warmup)
+    weights = torch.linspace(-1, 1, 4, device=device)
+
+    def step(call, update):
+        a, b = call(_x(device))
+        update(a, b)
+        ((a * weights).sum() + (b * weights).sum()).backward()
+
+    def update_a(a, b):
+        a.add_(1.0)
+
+    def update_b(a, b):
+        b.mul_(3.0)
+
+    # Output 0 updated in place: eager autograd refuses the backward, and so does te_graph.
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        step(eager, update_a)
+    with pytest.raises(RuntimeError, match=r"callable 0 \(TwoHeads\): an output of this call was updated in place "
+                       r"after its forward, and the backward reads that output.*modified by an inplace operation.*"
+                       r"Update a copy of the output"):
+        step(graphed, update_a)
+    assert all(p.grad is None for p in m.parameters()), "the refused backward changed nothing"
+    eager.zero_grad(set_to_none=True)
+    # Output 1 updated in place: its backward does not read it, so eager trains on, and so
+    # does te_graph, bitwise, where warmup could find that out (two passes or more).
+    for _ in range(2):
+        torch.manual_seed(1)
+        step(eager, update_b)
+        torch.manual_seed(1)
+        if warmup == 1:
+            with pytest.raises(RuntimeError, match=r"an output of this call was updated in place .* \(with "
+                               r"num_warmup_iters=1 te_graph cannot tell which outputs the backward reads, and "
+                               r"takes every one as read; graph with num_warmup_iters >= 2"):
+                step(graphed, update_b)
+            return
+        step(graphed, update_b)
+    for p, q in zip(m.parameters(), eager.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
 def test_a_keyword_object_holding_tensors_is_refused_at_graphing():
     """Not a pytree, such an object (Megatron's PackedSeqParams, a dataclass of cu_seqlens)
     would be compared as a constant while the graph reads its tensors by address."""

@@ -77,6 +77,19 @@ class SingleUseBlock(nn.Module):
         return nn.functional.dropout(torch.tanh(self.lin(x)), self.p, self.training), None
 
 
+class SavedOutputBlock(nn.Module):
+    """Ends in tanh, whose backward reads its result: warmup, finding that the backward reads
+    the output, runs its last pass again (``warmup._probed_backward``), dropout included."""
+
+    def __init__(self, device, dtype, dropout):
+        super().__init__()
+        self.lin = nn.Linear(HIDDEN, HIDDEN, device=device, dtype=dtype)
+        self.p = dropout
+
+    def forward(self, x, attention_mask=None):
+        return torch.tanh(nn.functional.dropout(self.lin(x), self.p, self.training)), None
+
+
 class CacheBlock(nn.Module):
     """Takes a second input without grad that its forward updates in place (a running
     state passed in, like a KV cache or a counter) and reads."""
@@ -98,7 +111,7 @@ class Setup:
     """One training setup; every field has the plain default."""
 
     id: str
-    layer: str = "gpt"  # "gpt", "buffers", "containers", "single-use", "cache"
+    layer: str = "gpt"  # "gpt", "buffers", "containers", "single-use", "saved-output", "cache"
     blocks: int = 3
     dropout: float = 0.0
     recompute: str = "none"  # "none", "reentrant", "non-reentrant"
@@ -148,6 +161,8 @@ SETUPS = [
     Setup("set-to-none", set_to_none=True, dropout=0.1),
     Setup("buffers", layer="buffers"),
     Setup("containers", layer="containers"),
+    Setup("output-read-by-its-backward", layer="saved-output", dropout=0.1),
+    Setup("output-read-by-its-backward-stack", layer="saved-output", dropout=0.1, stack=True),
     Setup("retain-graph-option", dropout=0.1, recompute="reentrant", options=(("retain_graph_in_backward", True),)),
     Setup("seq-buckets", dropout=0.1, recompute="reentrant", seq_lengths=(16, 8, 4)),
     Setup("seq-buckets-stack", dropout=0.1, recompute="non-reentrant", stack=True, seq_lengths=(8, 16)),
@@ -217,6 +232,8 @@ def _build(setup: Setup, device: str) -> list[nn.Module]:
             blocks.append(BufferedBlock(device, setup.dtype))
         elif setup.layer == "single-use":
             blocks.append(SingleUseBlock(device, setup.dtype, setup.dropout))
+        elif setup.layer == "saved-output":
+            blocks.append(SavedOutputBlock(device, setup.dtype, setup.dropout))
         elif setup.layer == "cache":
             blocks.append(CacheBlock(device, setup.dtype))
         else:
