@@ -201,7 +201,7 @@ class FrozenModule:
         # object and length stand for it on the hot path (the helper assigns a new list).
         self._manual = megatron.manual_hooks(module)
         self._manual_len = len(self._manual or ())
-        self._no_hooks = not any(self._hook_sizes)  # the usual case: one C-level any() per call
+        self._no_hooks = not any(self._hook_sizes)  # the usual case: one integer compare per call
         self._params = tuple(p for _, p in params)
         self._param_names = tuple(name for name, _ in params)
         self._grads = tuple(map(_requires_grad, self._params))
@@ -225,10 +225,23 @@ class FrozenModule:
                 and tuple(map(_data_ptr, self._addressed)) == self._pointers
                 and tuple(map(_data_ptr, self._main_grads)) == self._main_grad_pointers
                 and tuple(map(_requires_grad, self._params)) == self._grads
-                and (not any(self._hook_tables) if self._no_hooks else self._same_hooks())
+                and (self._still_no_hooks() if self._no_hooks else self._same_hooks())
             )
         except (KeyError, RuntimeError):  # an attribute was deleted; a tensor compared by value
             return False
+
+    def _still_no_hooks(self) -> bool:
+        """Whether the hook tables, empty at the last check, still are: one integer compare
+        while no hook was registered anywhere (``compat.hook_handles_made``), else a pass
+        over the tables (about a hundred dicts for one Transformer Engine layer, which a
+        step's other work has pushed out of the CPU caches)."""
+        made = compat.hook_handles_made()
+        if made == self._handles_made and made >= 0:
+            return True
+        if any(self._hook_tables):
+            return False
+        self._handles_made = made  # hooks registered elsewhere (a tensor's, another module's)
+        return True
 
     def _same_hooks(self) -> bool:
         """Whether every hook table holds the hooks it held at the last check: one integer

@@ -98,17 +98,33 @@ class ParamGrads:
         # Only a tensor-subclass parameter (a TE FP8 weight) gets a subclass .grad from
         # torch.empty_like(param); plain ones skip that check on the hot path.
         self._subclass_params = tuple(p for p in self.params if type(p) not in _PLAIN)
+        # torch's hook-handle count when the parameters last had no hook (-1: not yet seen).
+        self._unhooked_at = -1
 
     def observed(self) -> bool:
         """Whether something observes a parameter's gradient: hooks on it, or Megatron's
         ``main_grad`` (its DDP hooks the gradient accumulator), attached before or after
         graphing; or a subclass ``.grad`` only autograd may accumulate into. On the hot
-        path: a few C-level attribute reads per parameter."""
+        path: one C-level attribute read per parameter (``main_grad``), the hooks' only
+        where a hook was registered anywhere since they last had none
+        (``compat.hook_handles_made``: every registration makes a handle)."""
         return (
             self.tied
-            or hooked(self.params)
+            or self._hooked()
+            or any(map(_has_main_grad, self.params))
             or any(type(p.grad) not in _PLAIN_GRAD for p in self._subclass_params)
         )
+
+    def _hooked(self) -> bool:
+        made = compat.hook_handles_made()
+        if made == self._unhooked_at and made >= 0:
+            return False
+        params = self.params
+        if any(map(compat.tensor_hooks, params)) or (
+                compat.HAS_POST_ACCUMULATE_HOOKS and any(map(compat.post_accumulate_hooks, params))):
+            return True
+        self._unhooked_at = made
+        return False
 
     def prepare_in_graph(self) -> None:
         """Before an in-graph replay: make each ``param.grad`` its buffer, keeping its value.

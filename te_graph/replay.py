@@ -450,6 +450,8 @@ class Runner:
                 "would skip the hook, while eager autograd runs it. Register parameter hooks before "
                 "the forward, or pass accumulate_grads_in_graph=False to make_graphed_callables."
             )
+        if not any(map(compat.engine_will_execute, self.accumulators)):
+            return
         reached = [i for i, node in enumerate(self.accumulators) if compat.engine_will_execute(node)]
         if reached:
             raise RuntimeError(
