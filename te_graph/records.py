@@ -185,6 +185,9 @@ class WarmupRecord:
     # (``warmup.outputs_fed``): it may go without one at a call where one of those gets one.
     fed: tuple = ()
     saved: SavedOutputs = SavedOutputs()  # the outputs its backward reads
+    # The inputs whose gradient the outputs' backward reaches, where it reaches no parameter
+    # (``warmup.inputs_reached``): a call where none of them requires grad has no backward.
+    idle_unless: Optional[frozenset] = None
 
 
 @dataclass(frozen=True)
@@ -210,3 +213,4 @@ class CapturedGraph:
     fused_params: tuple = ()
     fed: tuple = ()  # WarmupRecord.fed: which outputs may go without a gradient, and when
     saved: SavedOutputs = SavedOutputs()  # WarmupRecord.saved
+    idle_unless: Optional[frozenset] = None  # WarmupRecord.idle_unless

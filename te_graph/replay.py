@@ -251,8 +251,12 @@ class Runner:
 
     def __init__(self, spec: GraphSpec, clock: Any, variant: int, updated: tuple[int, ...],
                  wgrad_book: Optional[WgradBook] = None, wgrad: Optional[DelayedWgrad] = None,
-                 slot: Optional[OrderSlot] = None, saved: SavedOutputs = SavedOutputs()):
+                 slot: Optional[OrderSlot] = None, saved: SavedOutputs = SavedOutputs(),
+                 idle_unless: Optional[frozenset] = None):
         self.name = spec.name
+        # Where the outputs' backward reaches only inputs: those inputs (a call where none
+        # requires grad replays without a backward, as eager autograd would record none).
+        self.idle_unless = tuple(sorted(idle_unless)) if idle_unless is not None else None
         # The outputs its backward reads: kept on each call's autograd node, so that one
         # updated in place before the backward is refused as eager autograd refuses it.
         self.saved = saved
@@ -535,7 +539,8 @@ class GraphRunner(Runner):
     def __init__(self, spec: GraphSpec, graph: CapturedGraph, options: ReplayOptions, clock: Any = NO_CLOCK, variant: int = 0,
                  wgrad_book: Optional[WgradBook] = None, slot: Optional[OrderSlot] = None):
         super().__init__(spec, clock, variant, graph.updated_inputs, wgrad_book,
-                         graph.wgrad.learned if graph.wgrad is not None else None, slot, graph.saved)
+                         graph.wgrad.learned if graph.wgrad is not None else None, slot, graph.saved,
+                         graph.idle_unless)
         self.graph = graph
         if graph.param_grads is not None:
             self.params = graph.param_grads.params  # less those only the weight-gradient pass sets
@@ -671,7 +676,8 @@ class EagerRunner(Runner):
     def __init__(self, spec: GraphSpec, warmup: WarmupRecord, fp8: Any, clock: Any = NO_CLOCK, variant: int = 0,
                  wgrad_book: Optional[WgradBook] = None, options: ReplayOptions = ReplayOptions(),
                  slot: Optional[OrderSlot] = None):
-        super().__init__(spec, clock, variant, warmup.updated, wgrad_book, warmup.wgrad, slot, warmup.saved)
+        super().__init__(spec, clock, variant, warmup.updated, wgrad_book, warmup.wgrad, slot, warmup.saved,
+                         warmup.idle_unless)
         self.spec = spec
         self.fp8 = fp8  # the checks an FP8 graph's calls get (te_support.fp8_replay)
         self.takes_first_microbatch = accepts_is_first_microbatch(spec.call)
@@ -962,6 +968,12 @@ def run(runner: Runner, tensors: list, is_first_microbatch: Any = None) -> tuple
         return runner.forward(tuple(tensors), False, False, is_first_microbatch)[1]
     if not torch.is_grad_enabled():
         return runner.forward(tuple(tensors), False, False, is_first_microbatch)[1]
+    if runner.idle_unless is not None and not any(tensors[i].requires_grad for i in runner.idle_unless):
+        # Nothing the outputs were computed from requires grad at this call: eager autograd
+        # records no backward, and neither does the replay (the copies into the static
+        # inputs, which require grad, are not recorded either).
+        with torch.no_grad():
+            return runner.forward(tuple(tensors), False, False, is_first_microbatch)[1]
     through_autograd = runner.through_autograd()
     extra = runner.params if through_autograd else runner.anchor
     apply = _Replay.apply if _functorch_active() else _apply_directly

@@ -38,7 +38,7 @@ from .records import GraphSpec, SavedOutputs, WarmupRecord
 from .schedule import FORWARD, Step
 from .wgrad import DelayedWgrad, check_no_queued_work, delayed_wgrad_modules, drop_queued_work, learn_wgrad
 
-__all__ = ["warm_up", "grad_mode", "fp8_context", "differentiable", "outputs_fed"]
+__all__ = ["warm_up", "grad_mode", "fp8_context", "differentiable", "outputs_fed", "inputs_reached"]
 
 
 def warm_up(
@@ -69,6 +69,7 @@ def warm_up(
     fused_seen: dict[int, frozenset] = {}
     fed_seen: dict[int, tuple] = {}  # per output, the outputs whose backward feeds it (outputs_fed)
     saved_seen: dict[int, SavedOutputs] = {}  # the outputs the backward reads (saved_outputs)
+    idle_unless_seen: dict[int, Optional[frozenset]] = {}  # inputs_reached
     draws: dict[int, tuple[Optional[StreamUse], Optional[StreamUse]]] = {}
     for iteration in range(num_iters):
         first, last = iteration == 0, iteration == num_iters - 1
@@ -96,6 +97,7 @@ def warm_up(
                     updated_seen[index] = _check_updated(spec, inputs.close())
                     if spec.needs_backward:
                         fed_seen[index] = outputs_fed(layout.tensors)
+                        idle_unless_seen[index] = inputs_reached(layout.tensors, spec.static_inputs)
                     del layout
                 backward_use = None
                 if spec.needs_backward:
@@ -134,6 +136,7 @@ def warm_up(
             fused_params=fused_seen.get(i, frozenset()),
             fed=fed_seen.get(i, ()),
             saved=saved_seen.get(i, SavedOutputs()),
+            idle_unless=idle_unless_seen.get(i),
         )
         for i in range(len(specs))
     ]
@@ -282,6 +285,40 @@ def _reads(spec: GraphSpec, index: int, stand_ins: StandIns, tracker, delayed: t
         drop_queued_work(delayed)
         return True
     return False
+
+
+def inputs_reached(tensors: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> Optional[frozenset]:
+    """The inputs (indices) whose gradient a backward from the outputs reaches, where it
+    reaches no other leaf; None where it reaches one (a parameter), or an output is a leaf.
+
+    Eager autograd makes an output require grad only where it was computed from a tensor
+    that does: where every path from the outputs ends at inputs, a call whose inputs of
+    these require no grad gives outputs that require none, and no backward (a reentrant
+    checkpoint of a layer, whose parameters are no edge of its node, trains nothing then).
+    Read from the autograd graph of the first warmup forward, without running it."""
+    positions = {id(t): i for i, t in enumerate(inputs) if t.requires_grad}
+    reached: set = set()
+    seen: set = set()
+    stack = []
+    for o in tensors:
+        if o.requires_grad:
+            if o.grad_fn is None:
+                return None
+            stack.append(o.grad_fn)
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        leaf = getattr(node, "variable", None)  # a gradient accumulator's leaf
+        if leaf is not None:
+            position = positions.get(id(leaf))
+            if position is None:
+                return None
+            reached.add(position)
+            continue
+        stack.extend(edge for edge, _ in node.next_functions if edge is not None)
+    return frozenset(reached)
 
 
 def outputs_fed(tensors: Sequence[torch.Tensor]) -> tuple[frozenset, ...]:

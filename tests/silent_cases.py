@@ -51,6 +51,15 @@ class Net(nn.Module):
         return self.body(x)
 
 
+class ReentrantNet(Net):
+    """Net inside torch's reentrant checkpoint, whose autograd node has no edge to the
+    parameters: fed an input that requires no grad, eager autograd gives its output none,
+    and the layer trains nothing (torch warns)."""
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.body, x, use_reentrant=True, preserve_rng_state=False)
+
+
 class KwNet(Net):
     """Net taking the keyword inputs of a Megatron layer: masks, biases, rotary (cos, sin),
     dicts and tuples mixing constants and tensors, a residual."""
@@ -456,6 +465,9 @@ GRADS = [
     Case("deep-supervision", "grads", "puts a loss on every layer's output", forward=every_output),
     Case("frozen-first-layer", "grads", "freezes the whole first layer and feeds data without grad",
          build=nets(then=lambda ls: ls[0].requires_grad_(False)), forward=frozen_first_forward),
+    Case("reentrant-checkpoint-input-without-grad", "grads",
+         "feeds data without grad to a layer inside torch's reentrant checkpoint (eager trains it nothing)",
+         build=lambda device: [ReentrantNet(p=0.0).to(device), Net().to(device)], forward=frozen_first_forward),
 ]
 
 
