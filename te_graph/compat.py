@@ -36,6 +36,7 @@ __all__ = [
     "bump_version",
     "is_saved_version_error",
     "is_inplace_refusal",
+    "view_update_refused",
     "is_fake",
     "numerics_settings",
     "NUMERICS_SETTINGS",
@@ -154,6 +155,19 @@ def is_saved_version_error(error: BaseException) -> bool:
     moved after it was saved (its message since torch 1.x: "one of the variables needed for
     gradient computation has been modified by an inplace operation")."""
     return isinstance(error, RuntimeError) and "modified by an inplace operation" in str(error)
+
+
+# A view's creation meta (``torch._C._autograd._get_creation_meta``, private, torch >= 1.10;
+# torch/_subclasses/meta_utils.py reads it): anything but DEFAULT (a view a custom Function
+# returned, one output of a multi-output view op, a view made under no_grad) is a view whose
+# in-place update eager autograd refuses. Where torch lacks it, no view counts as such.
+_creation_meta = getattr(torch._C._autograd, "_get_creation_meta", None)
+_CREATION_DEFAULT = getattr(getattr(torch._C._autograd, "CreationMeta", None), "DEFAULT", None)
+
+
+def view_update_refused(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a view whose in-place update eager autograd refuses (``_creation_meta``)."""
+    return _creation_meta is not None and t._is_view() and _creation_meta(t) != _CREATION_DEFAULT
 
 
 def is_inplace_refusal(error: BaseException) -> bool:

@@ -279,6 +279,26 @@ class FP8Capture:
                 "(as Megatron's full recompute does), or graph it with cache_quantized_params=False."
             )
 
+    @staticmethod
+    def recompute_stash() -> list:
+        """What TE's recompute stash holds (TE 2.20 ``fp8_tensors_recompute_buffer``: per
+        module, the scales each checkpointed forward pushed and its recompute pops), to put
+        back where a forward's backward did not run (``warmup._probed_backward``): a push
+        left there would hand every later recompute the scales of the forward before."""
+        from transformer_engine.pytorch.quantization import FP8GlobalStateManager  # noqa: PLC0415
+
+        return [list(queue) for queue in FP8GlobalStateManager.quantization_state.fp8_tensors_recompute_buffer]
+
+    @staticmethod
+    def restore_recompute_stash(stash: list) -> None:
+        """Put back what ``recompute_stash`` read; queues made since (a module's first
+        checkpointed forward) are emptied, keeping the positions TE gave the modules."""
+        from transformer_engine.pytorch.quantization import FP8GlobalStateManager  # noqa: PLC0415
+
+        for position, queue in enumerate(FP8GlobalStateManager.quantization_state.fp8_tensors_recompute_buffer):
+            queue.clear()
+            queue.extend(stash[position] if position < len(stash) else ())
+
     @contextlib.contextmanager
     def autocast(self, enabled: bool) -> Iterator[None]:
         """The context one callable's forward runs in while graphs are made."""

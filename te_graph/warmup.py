@@ -81,6 +81,8 @@ def warm_up(
             leaves = ForeignLeaves(spec.name, spec.static_inputs + stand_ins(spec.params)) if first and spec.needs_backward else None
             visiting = visited_te_modules(spec.func) if first and spec.has_te else contextlib.nullcontext(None)
             guard = fp8.checkpoint_guard(spec.name) if first and fp8 is not None and spec.fp8 else contextlib.nullcontext()
+            probing = last and find_saved and spec.needs_backward
+            stash = fp8.recompute_stash() if probing and fp8 is not None and spec.fp8 else None
             with leaves if leaves is not None else contextlib.nullcontext():
                 with visiting as te_modules, guard:
                     outputs, forward_use = _forward(spec, watch, tracker, leaves, fp8)
@@ -103,9 +105,9 @@ def warm_up(
                 if spec.needs_backward:
                     delayed = delayed_wgrad_modules(te_seen.get(index, ()))
                     known = wgrad_seen.get(index)
-                    if last and find_saved:
+                    if probing:
                         saved_seen[index], outputs, forward_use, done = _probed_backward(
-                            spec, stand_ins, outputs, forward_use, watch, tracker, delayed, known, fp8)
+                            spec, stand_ins, outputs, forward_use, watch, tracker, delayed, known, fp8, stash)
                     else:
                         if last:  # every output counts as read
                             found = _candidates(spec, outputs)
@@ -237,8 +239,8 @@ def _candidates(spec: GraphSpec, outputs: Any) -> list[torch.Tensor]:
 
 
 def _probed_backward(spec: GraphSpec, stand_ins: StandIns, outputs: Any, forward_use: Optional[StreamUse], device,
-                     tracker, delayed: tuple, known: Optional[DelayedWgrad],
-                     fp8: Optional[FP8Capture]) -> tuple[SavedOutputs, Any, Optional[StreamUse], tuple]:
+                     tracker, delayed: tuple, known: Optional[DelayedWgrad], fp8: Optional[FP8Capture],
+                     stash: Optional[list]) -> tuple[SavedOutputs, Any, Optional[StreamUse], tuple]:
     """The last pass's backward, run after moving the version counter of every output, as an
     in-place update of them would: where it runs through, the backward reads no output and
     this was the pass's backward. Where autograd refuses it, the outputs it refuses are
@@ -247,21 +249,30 @@ def _probed_backward(spec: GraphSpec, stand_ins: StandIns, outputs: Any, forward
     returned (eager autograd refuses any in-place update of it). Returns the outputs read,
     the pass's outputs and draws, and what ``_backward`` found."""
     candidates = _candidates(spec, outputs)
-    probe = [i for i, o in enumerate(candidates) if o is not None]
+    # A view whose in-place update eager autograd refuses at once (a custom Function's, as a
+    # reentrant checkpoint returns) counts as read without a probe, which could only fail.
+    refused = tuple(i for i, o in enumerate(candidates) if o is not None and compat.view_update_refused(o))
+    probe = [i for i, o in enumerate(candidates) if o is not None and i not in refused]
     for i in probe:
         _bump(candidates[i])
     del candidates
     try:
-        return SavedOutputs(), outputs, forward_use, _backward(spec, stand_ins, outputs, device, tracker, delayed, known)
+        done = _backward(spec, stand_ins, outputs, device, tracker, delayed, known)
+        return SavedOutputs(refused), outputs, forward_use, done
     except RuntimeError as error:
         if not compat.is_inplace_refusal(error):
             raise
-    drop_queued_work(delayed)
+    # The refused backward ran part of the graph at most: what the forward left for the
+    # backward to take (a weight-gradient pass's queue, TE's recompute stash, ``stash``: as
+    # it was before that forward) is dropped before the pass runs again.
+    _forget_forward(delayed, fp8, stash)
     del outputs
-    read = tuple(probe) if len(probe) == 1 else tuple(i for i in probe if _reads(spec, i, stand_ins, tracker, delayed, known, fp8))
+    read = tuple(probe) if len(probe) == 1 else tuple(
+        i for i in probe if _reads(spec, i, stand_ins, tracker, delayed, known, fp8, stash))
     read = read or tuple(probe)  # refused only together (outputs sharing a version counter): all count
     outputs, forward_use = _forward(spec, device, tracker, None, fp8)
-    return SavedOutputs(read), outputs, forward_use, _backward(spec, stand_ins, outputs, device, tracker, delayed, known)
+    done = _backward(spec, stand_ins, outputs, device, tracker, delayed, known)
+    return SavedOutputs(tuple(sorted(read + refused))), outputs, forward_use, done
 
 
 def _bump(t: torch.Tensor) -> None:
@@ -271,8 +282,15 @@ def _bump(t: torch.Tensor) -> None:
     compat.bump_version(t.detach())
 
 
+def _forget_forward(delayed: tuple, fp8: Optional[FP8Capture], stash: Optional[list]) -> None:
+    """After a backward autograd refused: what its forward left for it is let go."""
+    drop_queued_work(delayed)
+    if stash is not None:
+        fp8.restore_recompute_stash(stash)
+
+
 def _reads(spec: GraphSpec, index: int, stand_ins: StandIns, tracker, delayed: tuple, known: Optional[DelayedWgrad],
-           fp8: Optional[FP8Capture]) -> bool:
+           fp8: Optional[FP8Capture], stash: Optional[list]) -> bool:
     """Whether the backward reads output ``index``: a forward, that output's version counter
     moved, and a backward that autograd refuses or runs through."""
     outputs, _ = _forward(spec, None, tracker, None, fp8)
@@ -282,7 +300,7 @@ def _reads(spec: GraphSpec, index: int, stand_ins: StandIns, tracker, delayed: t
     except RuntimeError as error:
         if not compat.is_inplace_refusal(error):
             raise
-        drop_queued_work(delayed)
+        _forget_forward(delayed, fp8, stash)
         return True
     return False
 
