@@ -42,6 +42,7 @@ __all__ = [
     "NUMERICS_SETTINGS",
     "global_module_hook_dicts",
     "accumulate_grad_node",
+    "is_accumulate_grad",
     "engine_will_execute",
     "in_backward",
     "CAN_POISON",
@@ -269,6 +270,15 @@ def accumulate_grad_node(leaf: torch.Tensor) -> Any:
     and the leaf holds it weakly."""
     with torch.enable_grad():
         return leaf.view_as(leaf).grad_fn.next_functions[0][0]
+
+
+_ACCUMULATE_GRAD = type(accumulate_grad_node(torch.zeros((), requires_grad=True)))
+
+
+def is_accumulate_grad(node: Any) -> bool:
+    """Whether an autograd node is a leaf's gradient accumulator, whose ``variable`` is the
+    leaf (a custom Function's node may carry an attribute of that name too)."""
+    return type(node) is _ACCUMULATE_GRAD
 
 
 # ``torch._C._will_engine_execute_node`` (private, torch >= 2.0; torch/utils/checkpoint.py uses it

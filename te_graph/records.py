@@ -158,7 +158,7 @@ class SavedOutputs:
     """The outputs whose backward reads them (autograd saved them): an in-place update of
     one between a call's forward and its backward is refused, as eager autograd refuses it.
     Found in the last warmup pass (``warmup.saved_outputs``); with a single pass there is
-    none to find them in, and every differentiable output counts (``probed`` False)."""
+    none to find them in, and every output counts (``probed`` False)."""
 
     indices: tuple[int, ...] = ()  # into the output layout's tensors
     probed: bool = True

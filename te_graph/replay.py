@@ -504,9 +504,10 @@ class Runner:
                 "every one as read; graph with num_warmup_iters >= 2 if the updated output is not)")
             raise RuntimeError(
                 f"{self.name}: an output of this call was updated in place after its forward, and the backward "
-                "reads that output, as eager autograd's does: one of the variables needed for gradient "
-                "computation has been modified by an inplace operation, which eager autograd refuses too"
-                f"{unknown}. Update a copy of the output (y = y + ...) instead."
+                "reads that output (one of the variables needed for gradient computation has been modified by "
+                "an inplace operation), or it is a view whose update eager autograd refuses (one a custom "
+                f"Function or a multi-output operation returned){unknown}. Eager autograd refuses this too. "
+                "Update a copy of the output (y = y + ...) instead."
             ) from error
 
     def _check_fresh(self, invocation: Invocation) -> None:

@@ -206,13 +206,15 @@ def _backward(spec: GraphSpec, stand_ins: StandIns, outputs: Any, device, tracke
         spec.hooks.run("backward_pre_hooks", spec.func)
     stand = stand_ins(spec.params)
     try:
-        with grads_redirected(spec.grad_inputs):
-            if out:
-                torch.autograd.backward(out, grads)
-            # Read before the .grads are put back.
-            unused = tuple(i for i, t in enumerate(spec.static_inputs) if t.requires_grad and t.grad is None)
-        if spec.hooks is not None:
-            spec.hooks.run("backward_hooks", spec.func)
+        try:
+            with grads_redirected(spec.grad_inputs):
+                if out:
+                    torch.autograd.backward(out, grads)
+                # Read before the .grads are put back.
+                unused = tuple(i for i, t in enumerate(spec.static_inputs) if t.requires_grad and t.grad is None)
+        finally:  # around every backward, a refused probe's too (hooks may pair up)
+            if spec.hooks is not None:
+                spec.hooks.run("backward_hooks", spec.func)
         # A kernel that accumulated the weight gradient into main_grad itself says so with
         # Megatron's flag (Transformer Engine's fuse_wgrad_accumulation; set on the stand-in).
         fused = frozenset(i for i, s in enumerate(stand) if s.__dict__.get("grad_added_to_main_grad") is True)
@@ -231,11 +233,11 @@ def _backward(spec: GraphSpec, stand_ins: StandIns, outputs: Any, device, tracke
 
 def _candidates(spec: GraphSpec, outputs: Any) -> list[torch.Tensor]:
     """The outputs an in-place update could make a backward refuse, one per output of the
-    layout (``OutputLayout.tensors``), None where it cannot: not differentiable, or the
-    module's own memory (a view of a parameter, whose version counter is the parameter's)."""
+    layout (``OutputLayout.tensors``), None where it cannot: the module's own memory (a view
+    of a parameter or buffer, whose version counter is theirs). Outputs without grad count
+    (a router's top-k indices, which the backward reads; a detached alias of an output)."""
     own = tuple(spec.func.parameters()) + tuple(spec.func.buffers()) if isinstance(spec.func, torch.nn.Module) else ()
-    return [o if o.requires_grad and not any(shares_memory(o, m) for m in own) else None
-            for o in OutputLayout(spec.name, outputs).tensors]
+    return [None if any(shares_memory(o, m) for m in own) else o for o in OutputLayout(spec.name, outputs).tensors]
 
 
 def _probed_backward(spec: GraphSpec, stand_ins: StandIns, outputs: Any, forward_use: Optional[StreamUse], device,
@@ -251,7 +253,8 @@ def _probed_backward(spec: GraphSpec, stand_ins: StandIns, outputs: Any, forward
     candidates = _candidates(spec, outputs)
     # A view whose in-place update eager autograd refuses at once (a custom Function's, as a
     # reentrant checkpoint returns) counts as read without a probe, which could only fail.
-    refused = tuple(i for i, o in enumerate(candidates) if o is not None and compat.view_update_refused(o))
+    refused = tuple(i for i, o in enumerate(candidates) if o is not None and o.requires_grad
+                    and compat.view_update_refused(o))
     probe = [i for i, o in enumerate(candidates) if o is not None and i not in refused]
     for i in probe:
         _bump(candidates[i])
@@ -328,9 +331,8 @@ def inputs_reached(tensors: Sequence[torch.Tensor], inputs: Sequence[torch.Tenso
         if node in seen:
             continue
         seen.add(node)
-        leaf = getattr(node, "variable", None)  # a gradient accumulator's leaf
-        if leaf is not None:
-            position = positions.get(id(leaf))
+        if compat.is_accumulate_grad(node):
+            position = positions.get(id(node.variable))
             if position is None:
                 return None
             reached.add(position)

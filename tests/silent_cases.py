@@ -60,6 +60,34 @@ class ReentrantNet(Net):
         return torch.utils.checkpoint.checkpoint(self.body, x, use_reentrant=True, preserve_rng_state=False)
 
 
+class _ScaleKeepingVariable(torch.autograd.Function):
+    """x * w, keeping x on its context under the name ``variable`` (a custom Function's node
+    carries its context's attributes: not a gradient accumulator for all that)."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.variable = x
+        ctx.save_for_backward(w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, g):
+        (w,) = ctx.saved_tensors
+        return g * w, (g * ctx.variable).sum(dim=(0, 1))
+
+
+class VariableNet(nn.Module):
+    """A scale behind a custom Function whose context has a ``variable`` (the input): the
+    output needs grad through the weight whatever the input, which the graph walk must see."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, H))
+
+    def forward(self, x):
+        return _ScaleKeepingVariable.apply(x, self.scale)
+
+
 class KwNet(Net):
     """Net taking the keyword inputs of a Megatron layer: masks, biases, rotary (cos, sin),
     dicts and tuples mixing constants and tensors, a residual."""
@@ -465,6 +493,9 @@ GRADS = [
     Case("deep-supervision", "grads", "puts a loss on every layer's output", forward=every_output),
     Case("frozen-first-layer", "grads", "freezes the whole first layer and feeds data without grad",
          build=nets(then=lambda ls: ls[0].requires_grad_(False)), forward=frozen_first_forward),
+    Case("function-context-variable-input-without-grad", "grads",
+         "feeds data without grad to a layer behind a custom Function whose context has a 'variable'",
+         build=nets(make=VariableNet), forward=frozen_first_forward),
     Case("reentrant-checkpoint-input-without-grad", "grads",
          "feeds data without grad to a layer inside torch's reentrant checkpoint (eager trains it nothing)",
          build=lambda device: [ReentrantNet(p=0.0).to(device), Net().to(device)], forward=frozen_first_forward),

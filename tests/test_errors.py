@@ -342,6 +342,39 @@ def test_an_output_the_backward_reads_updated_in_place_is_refused_as_eager_autog
         assert torch.equal(p.grad, q.grad)
 
 
+class Router(nn.Module):
+    """Returns top-k values and indices: the indices need no grad, and the backward reads them."""
+
+    def __init__(self, device="cpu"):
+        super().__init__()
+        self.lin = nn.Linear(4, 4, device=device)
+
+    def forward(self, x):
+        return self.lin(x).topk(2, dim=-1)
+
+
+@pytest.mark.parametrize("device, eager_replay", REPLAY_MODES)
+def test_an_output_without_grad_the_backward_reads_updated_in_place_is_refused(device, eager_replay):
+    """An MoE router shifting its expert indices in place (indices += offset) after the call:
+    eager autograd refuses the backward, which scatters by those indices."""
+    torch.manual_seed(0)
+    m = Router(device)
+    eager = Router(device)
+    eager.load_state_dict(m.state_dict())
+    graphed = make_graphed_callables(m, (_x(device),), eager_replay=eager_replay)
+
+    def step(call):
+        values, indices = call(_x(device))
+        indices.add_(1)
+        values.sum().backward()
+
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        step(eager)
+    with pytest.raises(RuntimeError, match=r"callable 0 \(Router\): an output of this call was updated in place"):
+        step(graphed)
+    assert all(p.grad is None for p in m.parameters())
+
+
 def test_a_keyword_object_holding_tensors_is_refused_at_graphing():
     """Not a pytree, such an object (Megatron's PackedSeqParams, a dataclass of cu_seqlens)
     would be compared as a constant while the graph reads its tensors by address."""
