@@ -139,6 +139,13 @@ def _enter(context):
     return context if context is not None else contextlib.nullcontext()
 
 
+def is_reentrant_checkpoint_node(node: Any) -> bool:
+    """Whether an autograd node is the backward of ``checkpoint(use_reentrant=True)``: its
+    forward refuses a call where no tensor argument requires grad (te_graph mirrors that
+    refusal where a graph replays such a forward)."""
+    return getattr(node, "_forward_cls", None) is _ReentrantCheckpoint
+
+
 class _ReentrantCheckpoint(torch.autograd.Function):
     @staticmethod
     def forward(ctx, spec: _Spec, *args: Any) -> Any:

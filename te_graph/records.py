@@ -23,7 +23,7 @@ from .layout import InputLayout, OutputLayout
 from .recompute_rng import StreamUse
 from .wgrad import DelayedWgrad
 
-__all__ = ["GraphSpec", "make_spec", "SampleMemory", "none_default_keywords", "SavedOutputs", "WarmupRecord", "CapturedGraph"]
+__all__ = ["GraphSpec", "make_spec", "SampleMemory", "none_default_keywords", "SavedOutputs", "IdleCalls", "WarmupRecord", "CapturedGraph"]
 
 
 @dataclass(frozen=True)
@@ -165,6 +165,17 @@ class SavedOutputs:
 
 
 @dataclass(frozen=True)
+class IdleCalls:
+    """Where the outputs' backward reaches only inputs, no parameter (``warmup.inputs_reached``):
+    those inputs. A call where none of them requires grad gets outputs that need none, and
+    no backward, as in eager code; or, where the forward runs te_graph's reentrant
+    checkpoint on the way (``refused``), the ValueError eager code gets from it."""
+
+    inputs: frozenset
+    refused: bool = False
+
+
+@dataclass(frozen=True)
 class WarmupRecord:
     """What the warmup passes learned about one graph."""
 
@@ -185,9 +196,7 @@ class WarmupRecord:
     # (``warmup.outputs_fed``): it may go without one at a call where one of those gets one.
     fed: tuple = ()
     saved: SavedOutputs = SavedOutputs()  # the outputs its backward reads
-    # The inputs whose gradient the outputs' backward reaches, where it reaches no parameter
-    # (``warmup.inputs_reached``): a call where none of them requires grad has no backward.
-    idle_unless: Optional[frozenset] = None
+    idle: Optional[IdleCalls] = None  # calls without a backward (warmup.inputs_reached)
 
 
 @dataclass(frozen=True)
@@ -213,4 +222,4 @@ class CapturedGraph:
     fused_params: tuple = ()
     fed: tuple = ()  # WarmupRecord.fed: which outputs may go without a gradient, and when
     saved: SavedOutputs = SavedOutputs()  # WarmupRecord.saved
-    idle_unless: Optional[frozenset] = None  # WarmupRecord.idle_unless
+    idle: Optional[IdleCalls] = None  # WarmupRecord.idle

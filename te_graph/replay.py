@@ -30,7 +30,7 @@ from .te_support import accepts_is_first_microbatch
 from .grads import grads_redirected
 from .parameters import StandIns
 from .module_state import shares_memory
-from .records import CapturedGraph, GraphSpec, SavedOutputs, WarmupRecord
+from .records import CapturedGraph, GraphSpec, IdleCalls, SavedOutputs, WarmupRecord
 from .wgrad import DelayedWgrad, WgradBook, check_grads_as_captured, check_still_delayed, run_backward_dw
 
 __all__ = ["ReplayOptions", "Clock", "NO_CLOCK", "ReplayOrder", "OrderSlot", "Runner", "GraphRunner", "EagerRunner",
@@ -252,11 +252,12 @@ class Runner:
     def __init__(self, spec: GraphSpec, clock: Any, variant: int, updated: tuple[int, ...],
                  wgrad_book: Optional[WgradBook] = None, wgrad: Optional[DelayedWgrad] = None,
                  slot: Optional[OrderSlot] = None, saved: SavedOutputs = SavedOutputs(),
-                 idle_unless: Optional[frozenset] = None):
+                 idle: Optional[IdleCalls] = None):
         self.name = spec.name
         # Where the outputs' backward reaches only inputs: those inputs (a call where none
         # requires grad replays without a backward, as eager autograd would record none).
-        self.idle_unless = tuple(sorted(idle_unless)) if idle_unless is not None else None
+        self.idle_unless = tuple(sorted(idle.inputs)) if idle is not None else None
+        self.idle_refused = idle is not None and idle.refused
         # The outputs its backward reads: kept on each call's autograd node, so that one
         # updated in place before the backward is refused as eager autograd refuses it.
         self.saved = saved
@@ -541,7 +542,7 @@ class GraphRunner(Runner):
                  wgrad_book: Optional[WgradBook] = None, slot: Optional[OrderSlot] = None):
         super().__init__(spec, clock, variant, graph.updated_inputs, wgrad_book,
                          graph.wgrad.learned if graph.wgrad is not None else None, slot, graph.saved,
-                         graph.idle_unless)
+                         graph.idle)
         self.graph = graph
         if graph.param_grads is not None:
             self.params = graph.param_grads.params  # less those only the weight-gradient pass sets
@@ -678,7 +679,7 @@ class EagerRunner(Runner):
                  wgrad_book: Optional[WgradBook] = None, options: ReplayOptions = ReplayOptions(),
                  slot: Optional[OrderSlot] = None):
         super().__init__(spec, clock, variant, warmup.updated, wgrad_book, warmup.wgrad, slot, warmup.saved,
-                         warmup.idle_unless)
+                         warmup.idle)
         self.spec = spec
         self.fp8 = fp8  # the checks an FP8 graph's calls get (te_support.fp8_replay)
         self.takes_first_microbatch = accepts_is_first_microbatch(spec.call)
@@ -973,6 +974,13 @@ def run(runner: Runner, tensors: list, is_first_microbatch: Any = None) -> tuple
         # Nothing the outputs were computed from requires grad at this call: eager autograd
         # records no backward, and neither does the replay (the copies into the static
         # inputs, which require grad, are not recorded either).
+        if runner.idle_refused:
+            raise ValueError(
+                f"{runner.name}: no input its outputs are computed from requires grad at this call, and its "
+                "forward runs checkpoint(use_reentrant=True), which eager code refuses then: no gradient "
+                "would reach the parameters used inside the checkpointed function. Make an input require "
+                "grad, call it under torch.no_grad(), or use use_reentrant=False."
+            )
         with torch.no_grad():
             return runner.forward(tuple(tensors), False, False, is_first_microbatch)[1]
     through_autograd = runner.through_autograd()

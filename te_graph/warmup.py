@@ -25,6 +25,7 @@ import torch
 import torch.utils._pytree as pytree
 
 import rng
+from checkpointing import is_reentrant_checkpoint_node
 from checkpointing.capture_hook import capture_hook_set
 
 from . import compat
@@ -34,7 +35,7 @@ from .layout import OutputLayout
 from .module_state import InputUpdates, ModuleState, shares_memory
 from .parameters import ForeignLeaves, StandIns
 from .recompute_rng import BackwardDraws, ForwardDraws, StreamUse
-from .records import GraphSpec, SavedOutputs, WarmupRecord
+from .records import GraphSpec, IdleCalls, SavedOutputs, WarmupRecord
 from .schedule import FORWARD, Step
 from .wgrad import DelayedWgrad, check_no_queued_work, delayed_wgrad_modules, drop_queued_work, learn_wgrad
 
@@ -69,7 +70,7 @@ def warm_up(
     fused_seen: dict[int, frozenset] = {}
     fed_seen: dict[int, tuple] = {}  # per output, the outputs whose backward feeds it (outputs_fed)
     saved_seen: dict[int, SavedOutputs] = {}  # the outputs the backward reads (saved_outputs)
-    idle_unless_seen: dict[int, Optional[frozenset]] = {}  # inputs_reached
+    idle_seen_calls: dict[int, Optional[IdleCalls]] = {}  # inputs_reached
     draws: dict[int, tuple[Optional[StreamUse], Optional[StreamUse]]] = {}
     for iteration in range(num_iters):
         first, last = iteration == 0, iteration == num_iters - 1
@@ -99,7 +100,7 @@ def warm_up(
                     updated_seen[index] = _check_updated(spec, inputs.close())
                     if spec.needs_backward:
                         fed_seen[index] = outputs_fed(layout.tensors)
-                        idle_unless_seen[index] = inputs_reached(layout.tensors, spec.static_inputs)
+                        idle_seen_calls[index] = inputs_reached(layout.tensors, spec.static_inputs)
                     del layout
                 backward_use = None
                 if spec.needs_backward:
@@ -138,7 +139,7 @@ def warm_up(
             fused_params=fused_seen.get(i, frozenset()),
             fed=fed_seen.get(i, ()),
             saved=saved_seen.get(i, SavedOutputs()),
-            idle_unless=idle_unless_seen.get(i),
+            idle=idle_seen_calls.get(i),
         )
         for i in range(len(specs))
     ]
@@ -308,18 +309,20 @@ def _reads(spec: GraphSpec, index: int, stand_ins: StandIns, tracker, delayed: t
     return False
 
 
-def inputs_reached(tensors: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> Optional[frozenset]:
+def inputs_reached(tensors: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> Optional[IdleCalls]:
     """The inputs (indices) whose gradient a backward from the outputs reaches, where it
     reaches no other leaf; None where it reaches one (a parameter), or an output is a leaf.
 
     Eager autograd makes an output require grad only where it was computed from a tensor
     that does: where every path from the outputs ends at inputs, a call whose inputs of
     these require no grad gives outputs that require none, and no backward (a reentrant
-    checkpoint of a layer, whose parameters are no edge of its node, trains nothing then).
-    Read from the autograd graph of the first warmup forward, without running it."""
+    checkpoint of a layer, whose parameters are no edge of its node, trains nothing then;
+    te_graph's own refuses such a call, ``refused``). Read from the autograd graph of the
+    first warmup forward, without running it."""
     positions = {id(t): i for i, t in enumerate(inputs) if t.requires_grad}
     reached: set = set()
     seen: set = set()
+    refused = False
     stack = []
     for o in tensors:
         if o.requires_grad:
@@ -337,8 +340,9 @@ def inputs_reached(tensors: Sequence[torch.Tensor], inputs: Sequence[torch.Tenso
                 return None
             reached.add(position)
             continue
+        refused = refused or is_reentrant_checkpoint_node(node)
         stack.extend(edge for edge, _ in node.next_functions if edge is not None)
-    return frozenset(reached)
+    return IdleCalls(frozenset(reached), refused)
 
 
 def outputs_fed(tensors: Sequence[torch.Tensor]) -> tuple[frozenset, ...]:

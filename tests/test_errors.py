@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import rng
+from checkpointing import checkpoint
 from te_graph import make_graphed_callables
 
 CUDA = torch.cuda.is_available()
@@ -373,6 +374,30 @@ def test_an_output_without_grad_the_backward_reads_updated_in_place_is_refused(d
     with pytest.raises(RuntimeError, match=r"callable 0 \(Router\): an output of this call was updated in place"):
         step(graphed)
     assert all(p.grad is None for p in m.parameters())
+
+
+class Checkpointed(Lin):
+    def forward(self, x):
+        return checkpoint(self.lin, x, use_reentrant=True)
+
+
+@pytest.mark.parametrize("device, eager_replay", REPLAY_MODES)
+def test_a_reentrant_checkpoint_fed_an_input_without_grad_is_refused_as_eager_refuses_it(device, eager_replay):
+    """The graphs run no checkpoint code at replay: te_graph raises what eager code raises,
+    before anything runs; under no_grad the call runs, as in eager."""
+    torch.manual_seed(0)
+    m = Checkpointed(device)
+    eager = Checkpointed(device)
+    eager.load_state_dict(m.state_dict())
+    graphed = make_graphed_callables(m, (_x(device),), eager_replay=eager_replay)
+    x = _x(device, requires_grad=False)
+    with pytest.raises(ValueError, match=r"checkpoint\(use_reentrant=True\): no tensor argument requires grad"):
+        eager(x)
+    with pytest.raises(ValueError, match=r"callable 0 \(Checkpointed\): no input its outputs are computed from "
+                       r"requires grad at this call, and its forward runs checkpoint\(use_reentrant=True\)"):
+        graphed(x)
+    with torch.no_grad():
+        assert torch.equal(graphed(x), eager(x))
 
 
 def test_a_keyword_object_holding_tensors_is_refused_at_graphing():
