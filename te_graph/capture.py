@@ -341,7 +341,7 @@ def _record(spec: GraphSpec, forward: _Forward, bwd_graph, grad_outputs, grad_in
         fused_params=tuple(spec.params[i] for i in sorted(warmup.fused_params)),
         fed=warmup.fed,
         saved=warmup.saved,
-        idle=warmup.idle,
+        idle_calls=warmup.idle_calls,
     )
 
 

@@ -47,16 +47,18 @@ def _has_main_grad(param: torch.Tensor) -> bool:
     return "main_grad" in param.__dict__
 
 
+def _tensor_hooked(params: Sequence[torch.Tensor]) -> bool:
+    """Whether one of ``params`` has a hook (``register_hook``,
+    ``register_post_accumulate_grad_hook``)."""
+    return any(map(compat.tensor_hooks, params)) or (
+        compat.HAS_POST_ACCUMULATE_HOOKS and any(map(compat.post_accumulate_hooks, params)))
+
+
 def hooked(params: Sequence[torch.Tensor]) -> bool:
     """Whether something outside autograd's own accumulation observes one of ``params``'
-    gradients: hooks on it (``register_hook``, ``register_post_accumulate_grad_hook``), or
-    Megatron's ``main_grad`` (its DDP hooks the gradient accumulator). A few C-level
-    attribute reads per parameter."""
-    return (
-        any(map(compat.tensor_hooks, params))
-        or (compat.HAS_POST_ACCUMULATE_HOOKS and any(map(compat.post_accumulate_hooks, params)))
-        or any(map(_has_main_grad, params))
-    )
+    gradients: hooks on it, or Megatron's ``main_grad`` (its DDP hooks the gradient
+    accumulator). A few C-level attribute reads per parameter."""
+    return _tensor_hooked(params) or any(map(_has_main_grad, params))
 
 
 @contextlib.contextmanager
@@ -119,9 +121,7 @@ class ParamGrads:
         made = compat.hook_handles_made()
         if made == self._unhooked_at and made >= 0:
             return False
-        params = self.params
-        if any(map(compat.tensor_hooks, params)) or (
-                compat.HAS_POST_ACCUMULATE_HOOKS and any(map(compat.post_accumulate_hooks, params))):
+        if _tensor_hooked(self.params):
             return True
         self._unhooked_at = made
         return False

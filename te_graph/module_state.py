@@ -36,7 +36,8 @@ import torch
 
 from . import compat
 
-__all__ = ["ModuleState", "InputUpdates", "SCALAR_TYPES", "MODULE_INTERNALS", "shares_memory"]
+__all__ = ["ModuleState", "InputUpdates", "SCALAR_TYPES", "MODULE_INTERNALS", "shares_memory", "module_memory",
+           "in_memory_of"]
 
 SCALAR_TYPES = (bool, int, float, str, type(None))
 # nn.Module's own bookkeeping attributes (hook dicts, flags); ``training`` is compared
@@ -52,6 +53,20 @@ def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
         return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() != 0
     except (RuntimeError, NotImplementedError):  # a tensor subclass without storage
         return False
+
+
+def module_memory(func: Any) -> tuple[torch.Tensor, ...]:
+    """The parameters and buffers of a graphed module (nothing for a function): an output
+    viewing one is the module's own memory, not the graph's, and its version counter is
+    theirs."""
+    if not isinstance(func, torch.nn.Module):
+        return ()
+    return tuple(func.parameters()) + tuple(func.buffers())
+
+
+def in_memory_of(t: torch.Tensor, tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether ``t`` shares its storage with one of ``tensors`` (``module_memory``)."""
+    return any(shares_memory(t, m) for m in tensors)
 
 
 class _Attr:

@@ -196,7 +196,7 @@ class WarmupRecord:
     # (``warmup.outputs_fed``): it may go without one at a call where one of those gets one.
     fed: tuple = ()
     saved: SavedOutputs = SavedOutputs()  # the outputs its backward reads
-    idle: Optional[IdleCalls] = None  # calls without a backward (warmup.inputs_reached)
+    idle_calls: Optional[IdleCalls] = None  # calls without a backward (warmup.inputs_reached)
 
 
 @dataclass(frozen=True)
@@ -222,4 +222,4 @@ class CapturedGraph:
     fused_params: tuple = ()
     fed: tuple = ()  # WarmupRecord.fed: which outputs may go without a gradient, and when
     saved: SavedOutputs = SavedOutputs()  # WarmupRecord.saved
-    idle: Optional[IdleCalls] = None  # WarmupRecord.idle
+    idle_calls: Optional[IdleCalls] = None  # WarmupRecord.idle_calls

@@ -29,7 +29,7 @@ from . import compat, grads
 from .te_support import accepts_is_first_microbatch
 from .grads import grads_redirected
 from .parameters import StandIns
-from .module_state import shares_memory
+from .module_state import in_memory_of, module_memory, shares_memory
 from .records import CapturedGraph, GraphSpec, IdleCalls, SavedOutputs, WarmupRecord
 from .wgrad import DelayedWgrad, WgradBook, check_grads_as_captured, check_still_delayed, run_backward_dw
 
@@ -252,12 +252,12 @@ class Runner:
     def __init__(self, spec: GraphSpec, clock: Any, variant: int, updated: tuple[int, ...],
                  wgrad_book: Optional[WgradBook] = None, wgrad: Optional[DelayedWgrad] = None,
                  slot: Optional[OrderSlot] = None, saved: SavedOutputs = SavedOutputs(),
-                 idle: Optional[IdleCalls] = None):
+                 idle_calls: Optional[IdleCalls] = None):
         self.name = spec.name
         # Where the outputs' backward reaches only inputs: those inputs (a call where none
         # requires grad replays without a backward, as eager autograd would record none).
-        self.idle_unless = tuple(sorted(idle.inputs)) if idle is not None else None
-        self.idle_refused = idle is not None and idle.refused
+        self.idle_unless = tuple(sorted(idle_calls.inputs)) if idle_calls is not None else None
+        self.idle_refused = idle_calls is not None and idle_calls.refused
         # The outputs its backward reads: kept on each call's autograd node, so that one
         # updated in place before the backward is refused as eager autograd refuses it.
         self.saved = saved
@@ -457,18 +457,17 @@ class Runner:
             )
         if not any(map(compat.engine_will_execute, self.accumulators)):
             return
-        reached = [i for i, node in enumerate(self.accumulators) if compat.engine_will_execute(node)]
-        if reached:
-            raise RuntimeError(
-                f"{self.name}: this backward reaches parameter {self._parameter_name(reached[0])} by "
-                "another way too (it is used outside the graphed call, passed to it as an input, or "
-                "read by the graphs of another make_graphed_callables call): the graph adds its "
-                "gradient to .grad on its own and autograd adds the other use's after, where eager "
-                "autograd sums the two first (a different rounding). Pass "
-                "accumulate_grads_in_graph=False to make_graphed_callables (every parameter "
-                "gradient then goes through autograd), or graph the callables sharing a parameter "
-                "in one make_graphed_callables call."
-            )
+        reached = next(i for i, node in enumerate(self.accumulators) if compat.engine_will_execute(node))
+        raise RuntimeError(
+            f"{self.name}: this backward reaches parameter {self._parameter_name(reached)} by "
+            "another way too (it is used outside the graphed call, passed to it as an input, or "
+            "read by the graphs of another make_graphed_callables call): the graph adds its "
+            "gradient to .grad on its own and autograd adds the other use's after, where eager "
+            "autograd sums the two first (a different rounding). Pass "
+            "accumulate_grads_in_graph=False to make_graphed_callables (every parameter "
+            "gradient then goes through autograd), or graph the callables sharing a parameter "
+            "in one make_graphed_callables call."
+        )
 
     def _parameter_name(self, index: int) -> str:
         p = self.accumulated[index]
@@ -542,7 +541,7 @@ class GraphRunner(Runner):
                  wgrad_book: Optional[WgradBook] = None, slot: Optional[OrderSlot] = None):
         super().__init__(spec, clock, variant, graph.updated_inputs, wgrad_book,
                          graph.wgrad.learned if graph.wgrad is not None else None, slot, graph.saved,
-                         graph.idle)
+                         graph.idle_calls)
         self.graph = graph
         if graph.param_grads is not None:
             self.params = graph.param_grads.params  # less those only the weight-gradient pass sets
@@ -679,7 +678,7 @@ class EagerRunner(Runner):
                  wgrad_book: Optional[WgradBook] = None, options: ReplayOptions = ReplayOptions(),
                  slot: Optional[OrderSlot] = None):
         super().__init__(spec, clock, variant, warmup.updated, wgrad_book, warmup.wgrad, slot, warmup.saved,
-                         warmup.idle)
+                         warmup.idle_calls)
         self.spec = spec
         self.fp8 = fp8  # the checks an FP8 graph's calls get (te_support.fp8_replay)
         self.takes_first_microbatch = accepts_is_first_microbatch(spec.call)
@@ -774,14 +773,6 @@ _OVERWRITTEN = (
 )
 
 
-def _module_memory(spec: GraphSpec) -> tuple[torch.Tensor, ...]:
-    """The parameters and buffers of a graphed module: an output viewing one is the module's
-    own memory, not the graph's, and stays right after any number of calls."""
-    if not isinstance(spec.func, torch.nn.Module):
-        return ()
-    return tuple(spec.func.parameters()) + tuple(spec.func.buffers())
-
-
 class GraphOutputs:
     """The tensors a graph's calls hand out, and the check that makes an output overwritten
     by a later replay raise when it is read, as CUDA Graph Trees do (``compat.poison_storage``).
@@ -796,11 +787,10 @@ class GraphOutputs:
 
     def __init__(self, name: str, static: tuple[torch.Tensor, ...], spec: GraphSpec):
         self.name = name
-        own = _module_memory(spec)
+        own = module_memory(spec.func)  # never overwritten: stays right after any number of calls
         self._static = static
         self._guarded = tuple(
-            compat.CAN_POISON and type(o) is torch.Tensor and o.device.type == "cuda"
-            and not any(shares_memory(o, m) for m in own)
+            compat.CAN_POISON and type(o) is torch.Tensor and o.device.type == "cuda" and not in_memory_of(o, own)
             for o in static
         )
         self._track(tuple(self._alias(o, guarded) for o, guarded in zip(static, self._guarded)))
@@ -845,7 +835,7 @@ class EagerOutputs:
 
     def __init__(self, name: str, spec: GraphSpec):
         self.name = name
-        self._own = _module_memory(spec)
+        self._own = module_memory(spec.func)
         self._held: list = []
 
     def hand_out(self, outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
@@ -856,7 +846,7 @@ class EagerOutputs:
     def before_call(self) -> None:
         for ref in self._held:
             t = ref()
-            if t is not None and not any(shares_memory(t, m) for m in self._own):
+            if t is not None and not in_memory_of(t, self._own):
                 compat.poison_tensor(t, _OVERWRITTEN.format(name=self.name))
         self._held = []
 

@@ -32,7 +32,7 @@ from . import compat
 from .te_support import FP8Capture, visited_te_modules
 from .grads import grads_redirected
 from .layout import OutputLayout
-from .module_state import InputUpdates, ModuleState, shares_memory
+from .module_state import InputUpdates, ModuleState, in_memory_of, module_memory, shares_memory
 from .parameters import ForeignLeaves, StandIns
 from .recompute_rng import BackwardDraws, ForwardDraws, StreamUse
 from .records import GraphSpec, IdleCalls, SavedOutputs, WarmupRecord
@@ -70,7 +70,7 @@ def warm_up(
     fused_seen: dict[int, frozenset] = {}
     fed_seen: dict[int, tuple] = {}  # per output, the outputs whose backward feeds it (outputs_fed)
     saved_seen: dict[int, SavedOutputs] = {}  # the outputs the backward reads (saved_outputs)
-    idle_seen_calls: dict[int, Optional[IdleCalls]] = {}  # inputs_reached
+    idle_calls_seen: dict[int, Optional[IdleCalls]] = {}  # inputs_reached
     draws: dict[int, tuple[Optional[StreamUse], Optional[StreamUse]]] = {}
     for iteration in range(num_iters):
         first, last = iteration == 0, iteration == num_iters - 1
@@ -100,7 +100,7 @@ def warm_up(
                     updated_seen[index] = _check_updated(spec, inputs.close())
                     if spec.needs_backward:
                         fed_seen[index] = outputs_fed(layout.tensors)
-                        idle_seen_calls[index] = inputs_reached(layout.tensors, spec.static_inputs)
+                        idle_calls_seen[index] = inputs_reached(layout.tensors, spec.static_inputs)
                     del layout
                 backward_use = None
                 if spec.needs_backward:
@@ -111,10 +111,8 @@ def warm_up(
                             spec, stand_ins, outputs, forward_use, watch, tracker, delayed, known, fp8, stash)
                     else:
                         if last:  # every output counts as read
-                            found = _candidates(spec, outputs)
-                            saved_seen[index] = SavedOutputs(tuple(i for i, o in enumerate(found) if o is not None),
-                                                             probed=False)
-                            del found
+                            saved_seen[index] = SavedOutputs(
+                                tuple(i for i, o in enumerate(_candidates(spec, outputs)) if o is not None), probed=False)
                         done = _backward(spec, stand_ins, outputs, watch, tracker, delayed, known)
                     unused, backward_use, learned, idle, fused = done
                     if learned is not None:
@@ -139,7 +137,7 @@ def warm_up(
             fused_params=fused_seen.get(i, frozenset()),
             fed=fed_seen.get(i, ()),
             saved=saved_seen.get(i, SavedOutputs()),
-            idle=idle_seen_calls.get(i),
+            idle_calls=idle_calls_seen.get(i),
         )
         for i in range(len(specs))
     ]
@@ -237,8 +235,8 @@ def _candidates(spec: GraphSpec, outputs: Any) -> list[torch.Tensor]:
     layout (``OutputLayout.tensors``), None where it cannot: the module's own memory (a view
     of a parameter or buffer, whose version counter is theirs). Outputs without grad count
     (a router's top-k indices, which the backward reads; a detached alias of an output)."""
-    own = tuple(spec.func.parameters()) + tuple(spec.func.buffers()) if isinstance(spec.func, torch.nn.Module) else ()
-    return [None if any(shares_memory(o, m) for m in own) else o for o in OutputLayout(spec.name, outputs).tensors]
+    own = module_memory(spec.func)
+    return [None if in_memory_of(o, own) else o for o in OutputLayout(spec.name, outputs).tensors]
 
 
 def _probed_backward(spec: GraphSpec, stand_ins: StandIns, outputs: Any, forward_use: Optional[StreamUse], device,
