@@ -13,9 +13,10 @@ dispatcher, aux-loss load balancing), trained through Megatron's schedule and DD
   token capacity (1, 1.25, 1.5 and 2 times the even share per expert; a call beyond runs the
   padded program eagerly at a capacity rounded up to 128 rows, or with ``eager overflow``
   the experts' own forward): ``te_graph.integrations.moe_experts``. Dropless: nothing is dropped.
-  Where every expert is local, the graphs hold the dispatch around the experts too (the
-  padding, the gather and the un-permutation, ``te_graph.integrations.moe_dispatch``);
-  ``te_graph buckets experts only`` graphs the experts alone, as with expert parallelism.
+  The graphs hold the dispatch around the experts too (the padding, the gather, with expert
+  parallelism the alltoalls of padded blocks, and the un-permutation,
+  ``te_graph.integrations.moe_dispatch``); ``te_graph buckets experts only`` graphs the
+  experts alone, behind megatron-core's eager dispatch.
   ``te_graph buckets 4x`` adds 3 and 4 times (with top-2 of 8 experts, 4 times the even
   share is every token: no call runs eagerly), for a larger pool.
 * ``eager drop-pad`` / ``te_graph drop-pad`` / ``TE drop-pad``: drop-and-pad routing at
@@ -39,8 +40,7 @@ each other.
 ``--expert-parallel 2`` runs every row under torchrun on 2 GPUs of this host, the experts
 split over them (alltoall dispatch over NCCL, data parallel, each rank its own batches); a
 row's time and footprint are its slowest rank's, each rank's median is printed beside it
-(the ranks' clocks are not aligned by a barrier: a rank's step includes waiting for the
-other at the first alltoall).
+(the ranks start each step together, after a barrier off the clock).
 """
 from __future__ import annotations
 

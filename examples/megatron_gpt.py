@@ -44,7 +44,8 @@ dispatcher; dropless, or drop-and-pad with ``--capacity``); ``--graph-modules`` 
 helper's ``cuda_graph_modules`` (``attn,moe_router,moe_preprocess`` graphs each layer up to
 token dispatch, which dropless routing needs); ``--buckets`` also graphs the dropless experts,
 one graph per token capacity (``te_graph.integrations.moe_experts``), and with them the
-dispatch around them where every expert is local (``--moe-span experts``: the experts alone)::
+dispatch around them where each rank holds whole experts, alltoalls included (``--moe-span experts``: the
+experts alone)::
 
     python -m examples.megatron_gpt --graphs eager,te_graph --experts 4 \
         --graph-modules attn,moe_router,moe_preprocess --buckets 1.0,1.25,1.5,2
@@ -118,7 +119,7 @@ class RunConfig:
     # the even share (comma-separated, e.g. "1.25,1.5,2"); "": the experts run eagerly.
     buckets: str = ""
     overflow: str = "padded"  # above the largest capacity: "padded" (eagerly, 128-row capacities) or "eager"
-    # "auto": the graphs hold the dispatch around the experts where every expert is local;
+    # "auto": the graphs hold the dispatch around the experts where each rank holds whole experts;
     # "experts": the experts alone; "dispatch": refuse a layer whose dispatch cannot go in
     moe_span: str = "auto"
     # "eager", "te_graph" (the helper, te_graph's graphs), "te_graph_replay" (te_graph's eager
@@ -375,6 +376,10 @@ def train(cfg: RunConfig) -> dict:
             chunk.zero_grad_buffer()
         if optimizer is not None:
             optimizer.zero_grad()
+        if torch.distributed.get_world_size() > 1:
+            # Start every rank's clock together: a rank's step time is then not its wait for
+            # another still recording the step before (a sync point of all ranks, off the clock).
+            torch.distributed.barrier(device_ids=[torch.cuda.current_device()])
         torch.cuda.synchronize()
         started = time.perf_counter()
         out = step_fn(forward_step_func=_forward_step, data_iterator=data, model=model,

@@ -369,12 +369,16 @@ def test_parallel_layers_train_as_eager_on_two_gpus(tmp_path, setup):
         assert first.numel() == 0
 
 
-# The capacity graphs over two GPUs: with expert parallelism (the alltoall stays eager, the
-# graphs hold the experts alone), and with pipeline parallelism (one MoE layer per stage, every
-# expert local: the graphs hold the dispatch too; microbatches of 1F1B in flight at once).
+# The capacity graphs over two GPUs: with expert parallelism (the graphs hold the dispatch,
+# its two alltoalls with equal splits of padded blocks; or, span "experts", the experts alone
+# behind megatron-core's eager alltoalls), and with pipeline parallelism (one MoE layer per
+# stage, every expert local: the graphs hold the dispatch too; microbatches of 1F1B in flight
+# at once).
 PARALLEL_CAPACITY_SETUPS = {
-    "ep2-bf16": (EXPERT_PARALLEL + PARTIAL + CAPACITY_SETUPS["bf16"], "experts"),
-    "ep2-fp8-delayed": (EXPERT_PARALLEL + PARTIAL + CAPACITY_SETUPS["fp8-delayed"], "experts"),
+    "ep2-bf16": (EXPERT_PARALLEL + PARTIAL + CAPACITY_SETUPS["bf16"], "dispatch"),
+    "ep2-bf16-full-recompute": (EXPERT_PARALLEL + PARTIAL + CAPACITY_SETUPS["bf16-full-recompute"], "dispatch"),
+    "ep2-bf16-experts-span": (EXPERT_PARALLEL + PARTIAL + CAPACITY_SETUPS["bf16-experts-span"], "experts"),
+    "ep2-fp8-delayed": (EXPERT_PARALLEL + PARTIAL + CAPACITY_SETUPS["fp8-delayed"], "dispatch"),
     "pp2-bf16": (MOE + PARTIAL + CAPACITY_SETUPS["bf16"] + ["--pipeline-parallel", "2"], "dispatch"),
     # Tensor + sequence parallel: with whole experts on each rank every expert is local (the
     # graphs hold the dispatch); with each expert split over both ranks the dispatch gathers

@@ -370,13 +370,18 @@ class AlltoAllLike:
 
 @pytest.mark.parametrize("dispatcher, tokens, capacities, why", [
     (object(), 16, [8], "its token dispatcher (object) is not megatron-core's alltoall dispatcher"),
-    (AlltoAllLike(ep_size=2), 16, [8], "its experts are split over ranks (expert-parallel size 2, expert "
-                                       "tensor-parallel size 1): the alltoall's split sizes come from the host"),
+    (AlltoAllLike(tp_size=2), 16, [8], "each expert is split over ranks (expert tensor-parallel size 2): the "
+                                       "dispatcher's gather over them takes split sizes from the host"),
     (AlltoAllLike(drop_and_pad=True), 16, [8], "it routes with drop-and-pad"),
     (AlltoAllLike(), None, [8], "tokens= (the tokens one layer call routes) was not given"),
     (AlltoAllLike(), 16, [7, 6], "every capacity is below the even share of 8 rows per expert (16 tokens, top-2 "
                                  "of 4 experts), which no routing fits"),
-    (AlltoAllLike(), 16, [8], f"the module of its dispatcher's class ({__name__}) has no permute and unpermute"),
+    # Over 2 expert-parallel ranks a capacity of 14 rows per expert takes blocks of 7 rows per rank.
+    (AlltoAllLike(ep_size=2), 16, [14], "every capacity is below the even share of 8 rows per expert (16 tokens, "
+                                        "top-2 of 4 experts) from each of 2 expert-parallel ranks, 16 rows in all, "
+                                        "which no routing fits"),
+    (AlltoAllLike(), 16, [8],
+     f"the module of its dispatcher's class ({__name__}) has no permute, unpermute and all_to_all"),
     ("forward-hooked", 16, [8], "its experts module has hooks, which run where megatron-core calls the experts "
                                 "(the dispatch graphs call their forward within)"),
     ("backward-hooked", 16, [8], "its experts module has hooks, which run where megatron-core calls the experts "

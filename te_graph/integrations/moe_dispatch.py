@@ -2,37 +2,50 @@
 permuted tokens to the combined output.
 
 The capacity graphs of ``moe_experts`` hold the experts alone; around them megatron-core's
-dispatcher runs eagerly at every layer call: two chunk sorts, the padding's row indices
-(built on the host), the pad and gather copies, the un-permutation, and all their backward
-kernels, several hundred launches per step behind the host wait for the token counts
-(docs/performance.md). Where every expert is local (expert- and expert-tensor-parallel size
-1), all of that is static once the capacity is chosen, so one graph per capacity takes the
-dispatcher's permuted tokens and probabilities, its routing map and permutation mapping, and
-returns the layer's combined output:
+dispatcher runs eagerly at every layer call: two chunk sorts, the alltoalls with split sizes
+from the host, the padding's row indices (built on the host), the pad and gather copies, the
+un-permutation, and all their backward kernels, several hundred launches per step behind the
+host wait for the token counts (docs/performance.md). Once the capacity is chosen, all of
+that can be static, so one graph per capacity takes the dispatcher's permuted tokens and
+probabilities, its routing map and permutation mapping, and returns the layer's combined
+output:
 
-1. per expert counts from the routing map (on the device), and each permuted token's row in
-   the padded layout (expert ``e``'s ``i``-th token at ``e * C + i``, as ``moe_experts``);
-2. pad, run the experts on ``C`` rows per expert, gather the real rows back;
-3. un-permute with the dispatcher's own function and mapping (fused or not, as configured).
+1. each permuted token's row in a padded layout of one block of ``B`` rows per expert (all
+   experts, in the dispatcher's order; expert ``e``'s ``i``-th token at ``e * B + i``), from
+   the routing map's counts, on the device;
+2. with expert parallelism (``R`` ranks of ``L`` local experts each), an alltoall with equal
+   splits sends each rank its experts' blocks, which the experts take as ``R`` blocks each
+   (``R * B`` rows per expert: the capacity), and a second one brings their output back;
+3. the experts on that layout, then the real rows gathered back;
+4. the un-permutation, with the dispatcher's own function and mapping (fused or not).
 
-The chunk sorts the dispatcher would run around the experts are the identity permutation
-when every expert is local (``sort_input_by_local_experts`` is ``0, 1, ..., E-1``), and its
-alltoall over one rank returns its input, so leaving them out changes no bit: a call equals
-the experts-only capacity graphs, and te_graph's eager replay of the same program, bitwise
-(tests/test_megatron_path.py), wherever megatron-core's own un-permutation is
-deterministic: with top-2 routing (its unfused ``scatter_add_`` adds two rows into zero in
-either order alike) or under torch's deterministic algorithms (the tests route top-2, with
-the unfused and TE's fused un-permutation).
+Every rank must pick the same ``B``: the host gets the whole (rank, expert) matrix of token
+counts (one small all-gather, then a sync point, where megatron-core's own dispatch has one
+too), and the smallest capacity whose blocks hold its largest entry serves the call on every
+rank alike; so do the calls megatron-core's own methods serve (a matrix whose rows do not add
+up to tokens x top-k).
+
+Numerics: the chunk sorts megatron-core runs around its experts put the same tokens in the
+same order per expert as the padded layout, without the padding rows, and its alltoall moves
+rows without changing them; so with every expert local (``R = 1``: the chunk sorts are the
+identity, the alltoall returns its input) a call equals the experts-only capacity graphs
+bitwise (tests/test_megatron_path.py) wherever megatron-core's un-permutation is
+deterministic: top-2 routing (its unfused ``scatter_add_`` adds two rows into zero in either
+order alike) or torch's deterministic algorithms. With ``R > 1`` an expert's rows hold padding
+between the ranks' tokens, so its GEMMs have other shapes than the experts-only graphs'
+(other kernels may round differently). Either way a call equals te_graph's eager replay of the
+same program bitwise.
 
 What is installed on the ``MoELayer`` instance (the class is untouched, ``remove()`` undoes
-it): ``routed_experts_compute`` (the host wait for the counts, the capacity's graph),
-``combine`` and ``postprocess`` (pass the combined output through, add the shared experts'
-output). A call the graphs do not serve (outside training, another number of tokens, inside
-a capture, above the largest capacity with ``overflow="eager"``) runs megatron-core's own
-methods.
+it): ``dispatch`` (the counts' gather and host wait, the choice of capacity),
+``routed_experts_compute`` (the capacity's graph), ``combine`` and ``postprocess`` (pass the
+combined output through, add the shared experts' output). A call the graphs do not serve
+(outside training, another number of tokens, inside a capture, above the largest capacity with
+``overflow="eager"``) runs megatron-core's own methods.
 """
 from __future__ import annotations
 
+import math
 import sys
 from typing import Any, Callable, Optional, Sequence
 
@@ -44,11 +57,12 @@ from .. import compat
 from . import megatron
 from .moe_experts import DroplessExperts, padded_layout
 
-__all__ = ["DroplessDispatch", "PaddedDispatch", "capacity_shape", "dispatch_refusal", "dispatch_samples",
-           "functions_refusal", "module_of"]
+__all__ = ["DroplessDispatch", "ExpertExchange", "PaddedDispatch", "capacity_shape", "dispatch_refusal",
+           "dispatch_samples", "functions_refusal", "module_of"]
 
-_LAYER_METHODS = ("routed_experts_compute", "combine", "postprocess")
+_LAYER_METHODS = ("dispatch", "routed_experts_compute", "combine", "postprocess")
 _WHOLE_FORWARD = ["route", "expert_compute", "postprocess"]  # MoELayer.fwd_execution_map, one call
+_FUNCTIONS = ("permute", "unpermute", "all_to_all")  # the dispatcher's own, from the module of its class
 
 
 def dispatch_refusal(layer: torch.nn.Module) -> Optional[str]:
@@ -57,9 +71,9 @@ def dispatch_refusal(layer: torch.nn.Module) -> Optional[str]:
     name = type(dispatcher).__name__
     if not hasattr(dispatcher, "_maybe_dtoh_and_synchronize") or not hasattr(dispatcher, "sort_input_by_local_experts"):
         return f"its token dispatcher ({name}) is not megatron-core's alltoall dispatcher"
-    if getattr(dispatcher, "ep_size", 1) != 1 or getattr(dispatcher, "tp_size", 1) != 1:
-        return (f"its experts are split over ranks (expert-parallel size {dispatcher.ep_size}, expert "
-                f"tensor-parallel size {dispatcher.tp_size}): the alltoall's split sizes come from the host")
+    if getattr(dispatcher, "tp_size", 1) != 1:
+        return (f"each expert is split over ranks (expert tensor-parallel size {dispatcher.tp_size}): the "
+                "dispatcher's gather over them takes split sizes from the host")
     experts = layer.experts
     scopes = megatron.scope_names(config)
     reasons = [
@@ -90,17 +104,58 @@ def dispatch_refusal(layer: torch.nn.Module) -> Optional[str]:
     return None
 
 
+class ExpertExchange:
+    """How the padded layout travels between the ranks of the expert-parallel group (the
+    dispatcher's ``ep_group``, ``ranks`` of them, ``local_experts`` each): by the dispatcher's
+    own differentiable ``all_to_all``, with equal splits, which a graph can hold. With one
+    rank, nothing travels."""
+
+    def __init__(self, dispatcher: Any, all_to_all: Callable):
+        self.ranks = int(getattr(dispatcher, "ep_size", 1))
+        self.local_experts = int(dispatcher.num_local_experts)
+        self.group = getattr(dispatcher, "ep_group", None)
+        self.use_nccl_stream = bool(getattr(dispatcher, "use_nccl_stream", False))
+        self._all_to_all = all_to_all
+
+    def counts(self, routing_map: torch.Tensor) -> list[list[int]]:
+        """Tokens per (rank, expert) of this call on every rank of the group, on the host: a
+        sync point (with several ranks after one all-gather of the counts)."""
+        local = routing_map.sum(dim=0)
+        if self.ranks == 1:
+            return [local.tolist()]
+        gathered = [torch.empty_like(local) for _ in range(self.ranks)]
+        torch.distributed.all_gather(gathered, local, group=self.group)
+        return torch.stack(gathered).tolist()
+
+    def to_experts(self, rows: torch.Tensor) -> torch.Tensor:
+        """Blocks of every expert in order ([rank][local expert][block]) to this rank's experts'
+        blocks from every rank, grouped by expert ([local expert][rank][block])."""
+        if self.ranks == 1:
+            return rows
+        received = self._all_to_all(self.group, rows, None, None, self.use_nccl_stream)
+        return received.unflatten(0, (self.ranks, self.local_experts, -1)).transpose(0, 1).flatten(0, 2)
+
+    def from_experts(self, rows: torch.Tensor) -> torch.Tensor:
+        """The inverse of :meth:`to_experts`."""
+        if self.ranks == 1:
+            return rows
+        sent = rows.unflatten(0, (self.local_experts, self.ranks, -1)).transpose(0, 1).flatten(0, 2)
+        return self._all_to_all(self.group, sent, None, None, self.use_nccl_stream)
+
+
 class PaddedDispatch(torch.nn.Module):
     """From the dispatcher's permuted tokens to the combined output, on the padded layout of
-    ``padded_experts`` (a ``moe_experts._Padded``); ``capacity`` is an empty tensor whose row
-    count is the capacity, so that each capacity is a captured shape of one graphed callable
-    (whose checks then cover calls of several capacities in flight)."""
+    ``padded_experts`` (a ``moe_experts._Padded``), moved between the ranks by ``exchange``;
+    ``block`` is an empty tensor whose row count is the block rows (rows per expert per rank),
+    so that each capacity is a captured shape of one graphed callable (whose checks then cover
+    calls of several capacities in flight)."""
 
-    def __init__(self, padded_experts: torch.nn.Module, unpermute: Callable, fused: bool):
+    def __init__(self, padded_experts: torch.nn.Module, unpermute: Callable, fused: bool, exchange: ExpertExchange):
         super().__init__()
         self.padded_experts = padded_experts
         self._unpermute = unpermute  # the dispatcher's own (megatron-core's moe_utils.unpermute)
         self.fused = fused
+        self.exchange = exchange
 
     @property
     def cuda_graph_manual_hooks(self) -> list:
@@ -108,29 +163,45 @@ class PaddedDispatch(torch.nn.Module):
         return self.padded_experts.cuda_graph_manual_hooks
 
     def forward(self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
-                mapping: torch.Tensor, capacity: torch.Tensor) -> torch.Tensor:
+                mapping: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
         # The permuted tokens are grouped by expert, in token order; the dispatcher counts them
         # from the routing map as this does.
-        padded, padded_probs, rows = padded_layout(tokens, probs, routing_map.sum(dim=0), capacity.shape[0])
-        output = self.padded_experts(padded, padded_probs).index_select(0, rows)
-        return self._unpermute(output, mapping, restore_shape=torch.Size((routing_map.shape[0], tokens.shape[-1])),
+        padded, padded_probs, rows = padded_layout(tokens, probs, routing_map.sum(dim=0), block.shape[0])
+        exchange = self.exchange
+        output = exchange.from_experts(self.padded_experts(exchange.to_experts(padded),
+                                                           exchange.to_experts(padded_probs)))
+        return self._unpermute(output.index_select(0, rows), mapping,
+                               restore_shape=torch.Size((routing_map.shape[0], tokens.shape[-1])),
                                routing_map=routing_map, fused=self.fused, drop_and_pad=False)
 
 
 def functions_refusal(layer: torch.nn.Module) -> Optional[str]:
-    """Why the graphs could not call the dispatcher's own ``permute`` and ``unpermute`` (the
-    module its class is defined in must hold them, as megatron-core's does)."""
+    """Why the graphs could not call the dispatcher's own ``permute``, ``unpermute`` and
+    ``all_to_all`` (the module its class is defined in must hold them, as megatron-core's does)."""
     module = module_of(layer.token_dispatcher)
-    if not all(callable(getattr(module, name, None)) for name in ("permute", "unpermute")):
-        return f"the module of its dispatcher's class ({module.__name__}) has no permute and unpermute"
+    missing = [name for name in _FUNCTIONS if not callable(getattr(module, name, None))]
+    if missing:
+        listed = " and ".join([", ".join(missing[:-1]), missing[-1]] if len(missing) > 1 else missing)
+        return f"the module of its dispatcher's class ({module.__name__}) has no {listed}"
     return None
+
+
+def expert_exchange(layer: torch.nn.Module) -> ExpertExchange:
+    """The :class:`ExpertExchange` of this layer's dispatcher."""
+    return ExpertExchange(layer.token_dispatcher, module_of(layer.token_dispatcher).all_to_all)
+
+
+def block_rows(capacity: int, ranks: int) -> int:
+    """Rows per (rank, expert) block for ``capacity`` rows per local expert over ``ranks``
+    ranks: rounded up, so that the blocks hold at least the capacity."""
+    return math.ceil(capacity / ranks)
 
 
 def dispatch_samples(layer: torch.nn.Module, tokens: int, dtypes: tuple, capacities: Sequence[int]) -> list[tuple]:
     """One sample set per capacity (largest first) for :class:`PaddedDispatch`: a routing of
     ``tokens`` tokens that sends each to ``topk`` experts in turn (every expert's count at most
-    the even share rounded up, which each capacity holds), permuted by the dispatcher's own
-    ``permute`` (its mapping is what the graphs un-permute with)."""
+    the even share rounded up, which each capacity's blocks hold), permuted by the dispatcher's
+    own ``permute`` (its mapping is what the graphs un-permute with)."""
     config, dispatcher = layer.config, layer.token_dispatcher
     experts, topk = config.num_moe_experts, config.moe_router_topk
     device = next(layer.experts.parameters()).device
@@ -141,13 +212,14 @@ def dispatch_samples(layer: torch.nn.Module, tokens: int, dtypes: tuple, capacit
     with torch.no_grad():
         permuted, probs, mapping, *_ = module_of(dispatcher).permute(
             hidden, routing_map, probs=dense_probs, num_out_tokens=tokens * topk, fused=config.moe_permute_fusion)
+    ranks = int(getattr(dispatcher, "ep_size", 1))
     return [(permuted.detach().requires_grad_(), probs.detach().requires_grad_(), routing_map, mapping,
-             capacity_shape(c, device)) for c in capacities]
+             capacity_shape(block_rows(c, ranks), device)) for c in capacities]
 
 
-def capacity_shape(capacity: int, device: torch.device) -> torch.Tensor:
-    """The empty tensor whose row count tells a ``PaddedDispatch`` its capacity."""
-    return torch.empty(capacity, 0, device=device, dtype=torch.uint8)
+def capacity_shape(rows: int, device: torch.device) -> torch.Tensor:
+    """The empty tensor whose row count tells a ``PaddedDispatch`` its block rows."""
+    return torch.empty(rows, 0, device=device, dtype=torch.uint8)
 
 
 class DroplessDispatch(DroplessExperts):
@@ -157,13 +229,16 @@ class DroplessDispatch(DroplessExperts):
     span = "dispatch"
 
     def __init__(self, layer: torch.nn.Module, graphed: torch.nn.Module, padded: Callable,
-                 capacities: Sequence[int], dtypes: tuple, fp8: bool, overflow_rows: Optional[int], tokens: int):
+                 capacities: Sequence[int], dtypes: tuple, fp8: bool, overflow_rows: Optional[int], tokens: int,
+                 exchange: ExpertExchange):
         self.layer = layer
         self.dispatcher = layer.token_dispatcher  # the one vetted (dispatch_refusal)
+        self.exchange = exchange
         self.tokens = tokens
         self.rows = tokens * layer.config.moe_router_topk  # permuted tokens per call
         self._own = {name: getattr(layer, name) for name in _LAYER_METHODS}  # megatron-core's, bound
         self._capacity_shapes: dict[int, torch.Tensor] = {}
+        self._served: Optional[tuple] = None  # (tokens, capacity, largest block) the dispatch took
         self._combined: Optional[torch.Tensor] = None  # this call's output, until postprocess takes it
         super().__init__(layer.experts, graphed, padded, capacities, layer.experts.num_local_experts, dtypes, fp8,
                          overflow_rows)
@@ -172,35 +247,49 @@ class DroplessDispatch(DroplessExperts):
         for name in _LAYER_METHODS:
             setattr(self.layer, name, getattr(self, name))
 
-    def routed_experts_compute(self, hidden: torch.Tensor, probs: torch.Tensor) -> tuple:
+    def block_rows(self, capacity: int) -> int:
+        return block_rows(capacity, self.exchange.ranks)
+
+    def dispatch(self, hidden: torch.Tensor, probs: torch.Tensor) -> tuple:
         layer, dispatcher = self.layer, self.layer.token_dispatcher
-        self._combined = None
+        self._served, self._combined = None, None
         # megatron-core's own methods where the graphs do not serve the call: outside
         # training, inside another capture, another dispatcher swapped in, a forward split
-        # into separate calls (megatron-core's own graphs), another number of tokens.
+        # into separate calls (megatron-core's own graphs), another number of tokens. The
+        # ranks of an expert-parallel group run the same program, so they decide alike.
         if (not layer.training or cuda_stream_capturing() or dispatcher is not self.dispatcher
                 or getattr(layer, "fwd_execution_map", None) != _WHOLE_FORWARD or hidden.shape[0] != self.rows):
             self.eager_calls += 1
-            return self._own["routed_experts_compute"](hidden, probs)
-        # The dispatcher's own host copy of the counts, at the points its dispatch_postprocess
-        # takes them (megatron-core 0.19's alltoall dispatcher): a sync point, the host waits
-        # for the router.
-        counts = dispatcher._maybe_dtoh_and_synchronize("before_permutation_2", dispatcher.tokens_per_expert)
-        counts = dispatcher._maybe_dtoh_and_synchronize("before_finish", counts)
-        listed = counts.tolist()
-        capacity = self._capacity(listed)
-        # Every token sent to top-k experts is what the graphs' row map assumes (a router of
-        # one's own may send fewer): megatron-core's own methods otherwise, as above the
-        # largest capacity with overflow="eager" (megatron-core 0.19's then fail as eagerly).
-        if sum(listed) != self.rows or (capacity is None and self.overflow_rows is None):
+            return self._own["dispatch"](hidden, probs)
+        counts = self.exchange.counts(dispatcher.routing_map)  # a sync point: the host waits for the router
+        largest = max(max(row) for row in counts)
+        capacity = self._capacity(largest)
+        # Every token sent to top-k experts on every rank is what the graphs' row map assumes
+        # (a router of one's own may send fewer): megatron-core's own methods otherwise, as
+        # above the largest capacity with overflow="eager" (megatron-core 0.19's then fail as
+        # eagerly). Every rank reads the same matrix, so all take the same way.
+        if any(sum(row) != self.rows for row in counts) or (capacity is None and self.overflow_rows is None):
             self.eager_calls += 1
-            dispatcher.tokens_per_expert = counts
+            return self._own["dispatch"](hidden, probs)
+        self._check_dtypes(hidden, probs)
+        self._served = (hidden, capacity, largest)
+        return hidden, probs  # the graphs exchange the tokens themselves
+
+    def routed_experts_compute(self, hidden: torch.Tensor, probs: torch.Tensor) -> tuple:
+        served, self._served = self._served, None
+        if served is None:
             return self._own["routed_experts_compute"](hidden, probs)
-        self._check_call(listed, hidden, probs)
+        if hidden is not served[0]:
+            raise RuntimeError(
+                "te_graph.graph_dropless_experts: this MoE layer's routed_experts_compute got other tokens than "
+                "its dispatch returned, which left them for the dispatch graphs to exchange; megatron-core's "
+                "experts would take them for exchanged ones. Something between them (a hook, a subclass) "
+                "replaced the tokens: graph with span='experts'.")
+        dispatcher = self.layer.token_dispatcher
         dispatcher.tokens_per_expert = None  # as dispatch_postprocess leaves it
-        run, capacity = self._runner(capacity, listed)
+        run, rows = self._runner(served[1], served[2])
         output = self._replay(run, hidden, probs, dispatcher.routing_map,
-                              dispatcher.reversed_local_input_permutation_mapping, self._capacity_shape(capacity, hidden))
+                              dispatcher.reversed_local_input_permutation_mapping, self._capacity_shape(rows, hidden))
         self._combined = output
         return output, None
 
@@ -220,10 +309,10 @@ class DroplessDispatch(DroplessExperts):
         output = output.view(self.layer.token_dispatcher.hidden_shape)
         return output if shared_expert_output is None else output + shared_expert_output
 
-    def _capacity_shape(self, capacity: int, like: torch.Tensor) -> torch.Tensor:
-        shape = self._capacity_shapes.get(capacity)
+    def _capacity_shape(self, rows: int, like: torch.Tensor) -> torch.Tensor:
+        shape = self._capacity_shapes.get(rows)
         if shape is None:
-            shape = self._capacity_shapes[capacity] = capacity_shape(capacity, like.device)
+            shape = self._capacity_shapes[rows] = capacity_shape(rows, like.device)
         return shape
 
     def remove(self) -> None:
@@ -232,10 +321,11 @@ class DroplessDispatch(DroplessExperts):
 
         for name in _LAYER_METHODS:
             self.layer.__dict__.pop(name, None)
-        self._combined = None
+        self._served, self._combined = None, None
         te_graph.reset(self.graphed)
 
 
 def module_of(dispatcher: Any) -> Any:
-    """The module the dispatcher's class is defined in (its ``permute`` and ``unpermute``)."""
+    """The module the dispatcher's class is defined in (its ``permute``, ``unpermute`` and
+    ``all_to_all``)."""
     return sys.modules[type(dispatcher).__module__]

@@ -22,10 +22,10 @@ layer's recipe and amax reduction group, as Megatron's own autocast uses them, a
 does around its replay the per-call Python state the eager TE wrappers would have changed
 (the weight-cache flag, ``is_first_microbatch``): see :meth:`DroplessExperts._replay`.
 
-Where every expert of a layer is local, the graphs can hold the dispatcher's work around the
-experts too (the padding's row indices, the pad and gather, the un-permutation, and their
+The graphs can hold the dispatcher's work around the experts too (the padding's row indices,
+the pad and gather, with expert parallelism the alltoalls, the un-permutation, and their
 backward): ``span="dispatch"``, in :mod:`.moe_dispatch`, taken by default where a layer
-allows it.
+allows it (megatron-core's alltoall dispatcher, whole experts on each rank).
 
 The experts module keeps its identity, parameters and names: only its ``forward`` (the
 dispatch span: three ``MoELayer`` methods) is replaced on the instance, and
@@ -148,7 +148,7 @@ class DroplessExperts:
 
     def forward(self, hidden: torch.Tensor, tokens_per_expert: Any, probs: torch.Tensor, **kwargs: Any) -> tuple:
         counts = tokens_per_expert.tolist() if isinstance(tokens_per_expert, torch.Tensor) else list(tokens_per_expert)
-        capacity = self._capacity(counts)
+        capacity = self._capacity(max(counts, default=0))
         # The experts' own forward: outside training, with keywords the graphs do not take,
         # inside another capture (a graph cannot replay inside a capture), above the largest
         # capacity where overflow="eager", and for rows the counts do not add up to (a router
@@ -160,15 +160,20 @@ class DroplessExperts:
             self.eager_calls += 1
             return type(self.experts).forward(self.experts, hidden, tokens_per_expert, probs, **kwargs)
         self._check_call(counts, hidden, probs)
-        run, capacity = self._runner(capacity, counts)
+        run, capacity = self._runner(capacity, max(counts))
         on_device = torch.tensor(counts, dtype=torch.long).to(hidden.device, non_blocking=True)
         padded, padded_probs, rows = padded_layout(hidden, probs, on_device, capacity)
         return self._replay(run, padded, padded_probs).index_select(0, rows), None
 
-    def _capacity(self, counts: Sequence[int]) -> Optional[int]:
-        """The smallest capacity that holds every expert's tokens (None: above the largest)."""
-        largest = max(counts) if counts else 0
-        return next((c for c in self.capacities if c >= largest), None)
+    def block_rows(self, capacity: int) -> int:
+        """The rows of one block of the padded layout at ``capacity`` (rows per local expert):
+        each expert's block here (the dispatch span with expert parallelism overrides it)."""
+        return capacity
+
+    def _capacity(self, largest: int) -> Optional[int]:
+        """The smallest capacity whose blocks hold ``largest`` tokens, the most of any block of
+        this call (None: above the largest capacity)."""
+        return next((c for c in self.capacities if self.block_rows(c) >= largest), None)
 
     def _check_call(self, counts: Sequence[int], hidden: torch.Tensor, probs: torch.Tensor) -> None:
         if len(counts) != self.num_experts:
@@ -176,6 +181,9 @@ class DroplessExperts:
                 f"te_graph.graph_dropless_experts: the experts got token counts for {len(counts)} experts, but "
                 f"they hold {self.num_experts} local experts (their graphs lay the tokens out that many blocks "
                 "of rows): pass one count per local expert, as megatron-core's dispatcher does.")
+        self._check_dtypes(hidden, probs)
+
+    def _check_dtypes(self, hidden: torch.Tensor, probs: torch.Tensor) -> None:
         if hidden.dtype != self.dtypes[0]:
             raise ValueError(
                 f"te_graph.graph_dropless_experts: the experts got tokens in {hidden.dtype}, but their graphs "
@@ -188,24 +196,25 @@ class DroplessExperts:
                 f"{self.dtypes[1]}: pass probs_dtype={probs.dtype} to graph_dropless_experts (the "
                 "probabilities' dtype is megatron-core's moe_router_dtype where set).")
 
-    def _runner(self, capacity: Optional[int], counts: Sequence[int]) -> tuple[Callable, int]:
-        """The capacity's graph, or the same padded program run eagerly: above the largest
-        capacity at a capacity rounded up to overflow_rows, so that such calls repeat a few
+    def _runner(self, capacity: Optional[int], largest: int) -> tuple[Callable, int]:
+        """The capacity's graph and its block rows, or the same padded program run eagerly:
+        above the largest capacity at blocks of ``largest`` rows (the most tokens of any block)
+        rounded up to overflow_rows, so that such calls repeat a few
         GEMM shapes (a GEMM shape new to cuBLASLt costs a host-side algorithm search at every
         call); and while an earlier call of this layer still waits for its backward (several
         microbatches in flight: pipeline schedules), whose activations a replay would
         overwrite (the graphs of one layer share their buffers). Counted."""
         if capacity is None:
             self.eager_calls += 1
-            return self.padded, self.overflow_rows * math.ceil(max(counts) / self.overflow_rows)
+            return self.padded, self.overflow_rows * math.ceil(largest / self.overflow_rows)
         graphed = graphed_callable_of(self.graphed)  # None after te_graph.reset(): the eager program runs
         # Not in a backward: a recompute there (a checkpoint around the experts) must repeat the
         # forward it recomputes, which the graphs' own refusal names.
         if graphed is not None and graphed.awaits_backward() and not compat.in_backward():
             self.eager_calls += 1
-            return self.padded, capacity
+            return self.padded, self.block_rows(capacity)
         self.calls[capacity] += 1
-        return self.graphed, capacity
+        return self.graphed, self.block_rows(capacity)
 
     def _replay(self, run: Callable, *inputs: torch.Tensor) -> torch.Tensor:
         """``run(*inputs)`` with the per-call Python state the eager TE wrappers keep."""
@@ -303,11 +312,14 @@ def graph_dropless_experts(
     own: see :func:`_fp8_arguments`). Layers trained in FP4 are refused.
 
     ``span``: ``"experts"`` graphs the experts alone (any expert parallelism); ``"dispatch"``
-    graphs from the dispatcher's permuted tokens to the combined output
-    (:mod:`.moe_dispatch`: every expert local, ``tokens`` given, or it is refused, saying
-    why); ``"auto"`` (default) takes ``"dispatch"`` for each layer that allows it and
-    ``"experts"`` for the others. ``tokens``: the tokens one layer call routes (sequence x
+    graphs from the dispatcher's permuted tokens to the combined output, the expert-parallel
+    alltoalls included (:mod:`.moe_dispatch`: whole experts on each rank, ``tokens`` given,
+    or it is refused, saying why); ``"auto"`` (default) takes ``"dispatch"`` for each layer
+    that allows it and ``"experts"`` for the others. ``tokens``: the tokens one layer call routes (sequence x
     micro-batch); a call with another number runs megatron-core's own dispatch and experts.
+    With the dispatch span over ``R`` expert-parallel ranks, a capacity is ``R`` blocks of
+    ``ceil(capacity / R)`` rows per expert, one per rank, and serves a call whose every
+    (rank, expert) share fits its block.
     ``probs_dtype``: the routing probabilities' dtype, by default megatron-core's
     ``moe_router_dtype`` where set, else the parameters' dtype. ``overflow``: a call above
     the largest capacity runs the padded program eagerly at a capacity rounded up to 128 rows
@@ -354,7 +366,7 @@ def graph_dropless_experts(
 def _span_of(layer: torch.nn.Module, span: str, tokens: Optional[int], largest_first: list[int]) -> tuple[str, list]:
     """The span graphed for this layer and its capacities, or the refusal (ValueError) of
     what was asked."""
-    from .moe_dispatch import dispatch_refusal, functions_refusal  # noqa: PLC0415  (it builds on this module)
+    from .moe_dispatch import block_rows, dispatch_refusal, functions_refusal  # noqa: PLC0415  (it builds on this module)
 
     _check_layer(layer)
     if span == "experts":
@@ -363,19 +375,22 @@ def _span_of(layer: torch.nn.Module, span: str, tokens: Optional[int], largest_f
     if why is None and tokens is None:
         why = "tokens= (the tokens one layer call routes) was not given"
     if why is None:
-        # The busiest expert gets at least the even share: a smaller capacity never holds a
-        # call (and no sample routing fits it). Left out, not refused.
+        # The busiest expert gets at least the even share of a rank's tokens from that rank: a
+        # capacity whose blocks (rows per expert per rank of the expert-parallel group) are
+        # smaller never holds a call (and no sample routing fits it). Left out, not refused.
         config = layer.config
+        ranks = int(getattr(layer.token_dispatcher, "ep_size", 1))
         even = math.ceil(tokens * config.moe_router_topk / config.num_moe_experts)
-        fitting = [c for c in largest_first if c >= even]
+        fitting = [c for c in largest_first if block_rows(c, ranks) >= even]
+        share = (f"the even share of {even} rows per expert ({tokens} tokens, top-{config.moe_router_topk} of "
+                 f"{config.num_moe_experts} experts)")
+        if ranks > 1:
+            share += f" from each of {ranks} expert-parallel ranks, {ranks * even} rows in all"
         if not fitting:
-            why = (f"every capacity is below the even share of {even} rows per expert ({tokens} tokens, "
-                   f"top-{config.moe_router_topk} of {config.num_moe_experts} experts), which no routing fits")
+            why = f"every capacity is below {share}, which no routing fits"
         elif len(fitting) < len(largest_first):
             left_out = (f"te_graph.graph_dropless_experts: capacities {sorted(set(largest_first) - set(fitting))} "
-                        f"are below the even share of {even} rows per expert ({tokens} tokens, "
-                        f"top-{config.moe_router_topk} of {config.num_moe_experts} experts), so no call fits "
-                        "them: they are not graphed.")
+                        f"are below {share}, so no call fits them: they are not graphed.")
     if why is None:
         why = functions_refusal(layer)
     if why is None:
@@ -407,8 +422,10 @@ def _install(layer: torch.nn.Module, owner: Optional[torch.nn.Module], ddp_hook:
     probs = probs_dtype or _ROUTER_DTYPES.get(getattr(layer.config, "moe_router_dtype", None), dtype)
     padded = _Padded(experts, type(experts).forward.__get__(experts), num_experts, owner, ddp_hook)
     if span == "dispatch":
+        exchange = moe_dispatch.expert_exchange(layer)
         program: torch.nn.Module = moe_dispatch.PaddedDispatch(
-            padded, moe_dispatch.module_of(layer.token_dispatcher).unpermute, bool(layer.config.moe_permute_fusion))
+            padded, moe_dispatch.module_of(layer.token_dispatcher).unpermute, bool(layer.config.moe_permute_fusion),
+            exchange)
         samples = moe_dispatch.dispatch_samples(layer, tokens, (dtype, probs), largest_first)
     else:
         program = padded
@@ -422,7 +439,7 @@ def _install(layer: torch.nn.Module, owner: Optional[torch.nn.Module], ddp_hook:
     eager_program = type(program).forward.__get__(program)
     if span == "dispatch":
         return moe_dispatch.DroplessDispatch(layer, graphed, eager_program, largest_first, (dtype, probs), enabled,
-                                             overflow_rows, tokens)
+                                             overflow_rows, tokens, exchange)
     return DroplessExperts(experts, graphed, eager_program, largest_first, num_experts, (dtype, probs), enabled,
                            overflow_rows)
 
