@@ -7,7 +7,9 @@ un-permutes. Its output and the gradients of each rank's expert weights must equ
 per-token computation over every rank's experts (to float64 rounding: the sums run in another
 order). megatron-core's own ``all_to_all`` needs CUDA to import, so the exchange gets an
 equal-split alltoall of the same contract here; on GPUs megatron-core's own runs
-(tests/test_megatron_path.py, EP=2).
+(tests/test_megatron_path.py, EP=2). Also: every rank gets every rank's token counts (the
+per-call decision, made alike on each), and a rank that cannot take the dispatch span
+makes every rank refuse it (``agreed_refusal``).
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import datetime
 import json
 import os
 import socket
+import types
 
 import torch
 import torch.distributed as dist
@@ -68,7 +71,7 @@ class _Dispatcher:  # the attributes of megatron-core's alltoall dispatcher the 
 
 
 def _rank_main(rank: int, port: int, out_dir: str) -> None:
-    from te_graph.integrations.moe_dispatch import ExpertExchange, PaddedDispatch
+    from te_graph.integrations.moe_dispatch import ExpertExchange, PaddedDispatch, agreed_refusal
 
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.set_num_threads(1)
@@ -91,8 +94,8 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
         exchange = ExpertExchange(dispatcher, _all_to_all)
         experts = _Experts(weights[rank * LOCAL:(rank + 1) * LOCAL])
         program = PaddedDispatch(experts, _unpermute, False, exchange)
-        counts = exchange.counts(routing_map)
-        block = max(max(row) for row in counts) + 1  # one padding row at least in every block
+        counts = exchange.counts(routing_map, permuted.shape[0])
+        block = max(max(row[:-1]) for row in counts) + 1  # one padding row at least in every block
         out = program(permuted, probs, routing_map, token, torch.empty(block, 0))
         out.sum().backward()
 
@@ -104,8 +107,15 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
         reference.sum().backward()
         weight_grads = reference_weights.grad.clone()
         dist.all_reduce(weight_grads)  # every rank's tokens train every expert
+        # Ranks routing other numbers of tokens see each other's (then megatron-core's own
+        # dispatch serves the call on every rank); the span is taken by all ranks or none.
+        other_rows = exchange.counts(routing_map[: TOKENS - rank], (TOKENS - rank) * TOPK)
+        layer = types.SimpleNamespace(token_dispatcher=dispatcher, experts=experts)
+        refusal = agreed_refusal(layer, "its experts module has hooks" if rank == 1 else None)
         result = {
             "counts": counts,
+            "other_rows": [row[-1] for row in other_rows],
+            "refusal": refusal,
             "own_counts": routing_map.sum(dim=0).tolist(),
             "output": (out - reference).abs().max().item(),
             "weight_grad": (experts.weight.grad - weight_grads[rank * LOCAL:(rank + 1) * LOCAL]).abs().max().item(),
@@ -131,10 +141,15 @@ def _free_port() -> int:
 def test_blocks_exchanged_over_two_ranks_compute_each_token_with_its_experts(tmp_path):
     mp.spawn(_rank_main, args=(_free_port(), str(tmp_path)), nprocs=WORLD)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
-    # Every rank holds the whole (rank, expert) matrix of counts, its own row its own counts.
+    # Every rank holds the whole (rank, expert) matrix of counts, its own row its own counts
+    # and then its permuted tokens.
     assert results[0]["counts"] == results[1]["counts"]
     for rank, result in enumerate(results):
-        assert result["counts"][rank] == result["own_counts"]
+        assert result["counts"][rank] == result["own_counts"] + [TOKENS * TOPK]
         assert sum(result["own_counts"]) == TOKENS * TOPK
+        assert result["other_rows"] == [TOKENS * TOPK, (TOKENS - 1) * TOPK]
         for name in ("output", "weight_grad", "input_grad"):
             assert result[name] < 1e-13, (rank, name, result)
+    assert results[1]["refusal"] == "its experts module has hooks"
+    assert results[0]["refusal"] == ("another rank of its expert-parallel group cannot take it (the reason is given "
+                                     "there), and every rank must take the same span")

@@ -17,6 +17,7 @@ from torch import nn
 
 import te_graph
 
+from te_graph.integrations.moe_dispatch import distinct_blocks
 from te_graph.integrations.moe_experts import capacities_for, graph_dropless_experts, skips_weight_update
 from te_graph.te_support import keeps_weight_cache
 
@@ -433,6 +434,14 @@ def test_a_capacity_factor_without_padding_is_graphed_as_dropless_experts_and_it
     for a, b in zip(want[:3] + tuple(want[3]), got[:3] + tuple(got[3])):
         torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
     assert installed.calls == {8: 1} and installed.eager_calls == 0
+
+
+def test_capacities_sharing_a_block_size_over_expert_parallel_ranks_are_graphed_once():
+    """Over R ranks a capacity takes blocks of ceil(capacity / R) rows per rank; of capacities
+    with one block size the smallest is graphed (a call takes the smallest that holds it)."""
+    assert distinct_blocks([48, 40, 32, 16], 16) == ([40, 32, 16], [48])
+    assert distinct_blocks([16, 15], 2) == ([15], [16])
+    assert distinct_blocks([32, 16], 1) == ([32, 16], [])
 
 
 def test_bad_spans_and_token_counts_are_refused():

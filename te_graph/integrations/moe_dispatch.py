@@ -20,10 +20,11 @@ output:
 4. the un-permutation, with the dispatcher's own function and mapping (fused or not).
 
 Every rank must pick the same ``B``: the host gets the whole (rank, expert) matrix of token
-counts (one small all-gather, then a sync point, where megatron-core's own dispatch has one
-too), and the smallest capacity whose blocks hold its largest entry serves the call on every
-rank alike; so do the calls megatron-core's own methods serve (a matrix whose rows do not add
-up to tokens x top-k).
+counts and each rank's number of tokens (one small all-gather, then a sync point, where
+megatron-core's own dispatch has one too), and the smallest capacity whose blocks hold its
+largest entry serves the call on every rank alike; so do the calls megatron-core's own
+methods serve (a rank routing another number of tokens than captured, or fewer than top-k
+assignments). Every rank takes the same span too (:func:`agreed_refusal`).
 
 Numerics: the chunk sorts megatron-core runs around its experts put the same tokens in the
 same order per expert as the padded layout, without the padding rows, and its alltoall moves
@@ -57,8 +58,9 @@ from .. import compat
 from . import megatron
 from .moe_experts import DroplessExperts, padded_layout
 
-__all__ = ["DroplessDispatch", "ExpertExchange", "PaddedDispatch", "capacity_shape", "dispatch_refusal",
-           "dispatch_samples", "functions_refusal", "module_of"]
+__all__ = ["DroplessDispatch", "ExpertExchange", "PaddedDispatch", "agreed_refusal", "block_rows", "capacity_shape",
+           "dispatch_refusal", "dispatch_samples", "distinct_blocks", "expert_exchange", "functions_refusal",
+           "module_of"]
 
 _LAYER_METHODS = ("dispatch", "routed_experts_compute", "combine", "postprocess")
 _WHOLE_FORWARD = ["route", "expert_compute", "postprocess"]  # MoELayer.fwd_execution_map, one call
@@ -94,6 +96,10 @@ def dispatch_refusal(layer: torch.nn.Module) -> Optional[str]:
          "its routing map is padded for quantization (moe_router_padding_for_quantization)"),
         (getattr(config, "overlap_dispatch_backward_with_experts_wgrad", False),
          "it overlaps the dispatch's backward with the experts' weight gradients"),
+        # megatron-core's fine-grained schedule calls dispatch, the experts and combine from
+        # nodes of its own, each on detached inputs.
+        (getattr(config, "overlap_moe_expert_parallel_comm", False),
+         "it overlaps its expert-parallel communication with computation (overlap_moe_expert_parallel_comm)"),
     ]
     for refused, why in reasons:
         if refused:
@@ -117,10 +123,11 @@ class ExpertExchange:
         self.use_nccl_stream = bool(getattr(dispatcher, "use_nccl_stream", False))
         self._all_to_all = all_to_all
 
-    def counts(self, routing_map: torch.Tensor) -> list[list[int]]:
-        """Tokens per (rank, expert) of this call on every rank of the group, on the host: a
-        sync point (with several ranks after one all-gather of the counts)."""
-        local = routing_map.sum(dim=0)
+    def counts(self, routing_map: torch.Tensor, rows: int) -> list[list[int]]:
+        """This call's token counts on every rank of the group, on the host: per rank, its
+        tokens for each expert, then ``rows`` (its permuted tokens). A sync point, with
+        several ranks after one all-gather of the counts."""
+        local = torch.cat([routing_map.sum(dim=0), routing_map.new_full((1,), rows, dtype=torch.long)])
         if self.ranks == 1:
             return [local.tolist()]
         gathered = [torch.empty_like(local) for _ in range(self.ranks)]
@@ -175,6 +182,22 @@ class PaddedDispatch(torch.nn.Module):
                                routing_map=routing_map, fused=self.fused, drop_and_pad=False)
 
 
+def agreed_refusal(layer: torch.nn.Module, refusal: Optional[str]) -> Optional[str]:
+    """``refusal`` (why this rank cannot take the dispatch span, or None), unless another rank
+    of the layer's expert-parallel group refuses it (hooks on one rank's experts): every rank
+    must take the same span, since the dispatch span's graphs exchange tokens by collectives.
+    One all-reduce over the group, at graphing; none with one rank."""
+    dispatcher = layer.token_dispatcher
+    if int(getattr(dispatcher, "ep_size", 1)) == 1 or not torch.distributed.is_initialized():
+        return refusal  # (without a process group no rank exchanges tokens at all)
+    flag = torch.tensor([int(refusal is not None)], device=next(layer.experts.parameters()).device)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=dispatcher.ep_group)
+    if refusal is None and flag.item():
+        return ("another rank of its expert-parallel group cannot take it (the reason is given there), "
+                "and every rank must take the same span")
+    return refusal
+
+
 def functions_refusal(layer: torch.nn.Module) -> Optional[str]:
     """Why the graphs could not call the dispatcher's own ``permute``, ``unpermute`` and
     ``all_to_all`` (the module its class is defined in must hold them, as megatron-core's does)."""
@@ -195,6 +218,17 @@ def block_rows(capacity: int, ranks: int) -> int:
     """Rows per (rank, expert) block for ``capacity`` rows per local expert over ``ranks``
     ranks: rounded up, so that the blocks hold at least the capacity."""
     return math.ceil(capacity / ranks)
+
+
+def distinct_blocks(largest_first: Sequence[int], ranks: int) -> tuple[list[int], list[int]]:
+    """The capacities to graph, largest first, one per block size (the smallest capacity of
+    those sharing one: a call takes the smallest whose blocks hold it, and one graph serves
+    them all), and those left out."""
+    kept: dict[int, int] = {}
+    for capacity in largest_first:
+        kept[block_rows(capacity, ranks)] = capacity  # smaller ones come later
+    chosen = sorted(kept.values(), reverse=True)
+    return chosen, [c for c in largest_first if c not in chosen]
 
 
 def dispatch_samples(layer: torch.nn.Module, tokens: int, dtypes: tuple, capacities: Sequence[int]) -> list[tuple]:
@@ -255,20 +289,23 @@ class DroplessDispatch(DroplessExperts):
         self._served, self._combined = None, None
         # megatron-core's own methods where the graphs do not serve the call: outside
         # training, inside another capture, another dispatcher swapped in, a forward split
-        # into separate calls (megatron-core's own graphs), another number of tokens. The
-        # ranks of an expert-parallel group run the same program, so they decide alike.
+        # into separate calls (megatron-core's own graphs). The ranks of an expert-parallel
+        # group run the same program in the same mode, so they decide these alike.
         if (not layer.training or cuda_stream_capturing() or dispatcher is not self.dispatcher
-                or getattr(layer, "fwd_execution_map", None) != _WHOLE_FORWARD or hidden.shape[0] != self.rows):
+                or getattr(layer, "fwd_execution_map", None) != _WHOLE_FORWARD):
             self.eager_calls += 1
             return self._own["dispatch"](hidden, probs)
-        counts = self.exchange.counts(dispatcher.routing_map)  # a sync point: the host waits for the router
-        largest = max(max(row) for row in counts)
+        # A sync point: the host waits for the router (and the group's all-gather).
+        counts = self.exchange.counts(dispatcher.routing_map, hidden.shape[0])
+        largest = max(max(row[:-1]) for row in counts)
         capacity = self._capacity(largest)
-        # Every token sent to top-k experts on every rank is what the graphs' row map assumes
-        # (a router of one's own may send fewer): megatron-core's own methods otherwise, as
-        # above the largest capacity with overflow="eager" (megatron-core 0.19's then fail as
-        # eagerly). Every rank reads the same matrix, so all take the same way.
-        if any(sum(row) != self.rows for row in counts) or (capacity is None and self.overflow_rows is None):
+        # The graphs take the tokens they were captured for, every one sent to top-k experts
+        # (a router of one's own may send fewer), on every rank: megatron-core's own methods
+        # otherwise (ranks may route different numbers of tokens), as above the largest
+        # capacity with overflow="eager" (megatron-core 0.19's then fail as eagerly). Every
+        # rank reads the same counts, so all take the same way.
+        if (any(row[-1] != self.rows or sum(row[:-1]) != self.rows for row in counts)
+                or (capacity is None and self.overflow_rows is None)):
             self.eager_calls += 1
             return self._own["dispatch"](hidden, probs)
         self._check_dtypes(hidden, probs)

@@ -366,12 +366,13 @@ def graph_dropless_experts(
 def _span_of(layer: torch.nn.Module, span: str, tokens: Optional[int], largest_first: list[int]) -> tuple[str, list]:
     """The span graphed for this layer and its capacities, or the refusal (ValueError) of
     what was asked."""
-    from .moe_dispatch import block_rows, dispatch_refusal, functions_refusal  # noqa: PLC0415  (it builds on this module)
+    from .moe_dispatch import (  # noqa: PLC0415  (it builds on this module)
+        agreed_refusal, block_rows, dispatch_refusal, distinct_blocks, functions_refusal)
 
     _check_layer(layer)
     if span == "experts":
         return span, largest_first
-    why, fitting, left_out = dispatch_refusal(layer), largest_first, None
+    why, fitting, left_out = dispatch_refusal(layer), largest_first, []
     if why is None and tokens is None:
         why = "tokens= (the tokens one layer call routes) was not given"
     if why is None:
@@ -389,13 +390,19 @@ def _span_of(layer: torch.nn.Module, span: str, tokens: Optional[int], largest_f
         if not fitting:
             why = f"every capacity is below {share}, which no routing fits"
         elif len(fitting) < len(largest_first):
-            left_out = (f"te_graph.graph_dropless_experts: capacities {sorted(set(largest_first) - set(fitting))} "
-                        f"are below {share}, so no call fits them: they are not graphed.")
+            left_out.append(f"capacities {sorted(set(largest_first) - set(fitting))} are below {share}, so no "
+                            "call fits them")
+        fitting, merged = distinct_blocks(fitting, ranks)
+        if merged:
+            left_out.append(f"capacities {sorted(merged)} take the blocks of a smaller one over {ranks} "
+                            f"expert-parallel ranks (capacity / {ranks} rows per rank, rounded up), whose graph "
+                            "serves their calls")
     if why is None:
         why = functions_refusal(layer)
+    why = agreed_refusal(layer, why)  # the same span on every rank of the expert-parallel group
     if why is None:
-        if left_out is not None:
-            warnings.warn(left_out, stacklevel=3)
+        for what in left_out:
+            warnings.warn(f"te_graph.graph_dropless_experts: {what}: they are not graphed.", stacklevel=3)
         return "dispatch", fitting
     if span == "dispatch":
         raise ValueError(f"te_graph.graph_dropless_experts: span='dispatch' cannot graph this layer's dispatch: "
