@@ -342,6 +342,7 @@ def _record(spec: GraphSpec, forward: _Forward, bwd_graph, grad_outputs, grad_in
         fed=warmup.fed,
         saved=warmup.saved,
         idle_calls=warmup.idle_calls,
+        idle_outputs=warmup.idle_outputs,
     )
 
 

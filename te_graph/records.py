@@ -197,6 +197,10 @@ class WarmupRecord:
     fed: tuple = ()
     saved: SavedOutputs = SavedOutputs()  # the outputs its backward reads
     idle_calls: Optional[IdleCalls] = None  # calls without a backward (warmup.inputs_reached)
+    # (output, inputs) for each output whose backward reaches only those inputs, through
+    # torch's built-in nodes (``warmup.outputs_reaching_inputs``): at a call where none of
+    # them requires grad, that output requires none, as in eager code.
+    idle_outputs: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -223,3 +227,4 @@ class CapturedGraph:
     fed: tuple = ()  # WarmupRecord.fed: which outputs may go without a gradient, and when
     saved: SavedOutputs = SavedOutputs()  # WarmupRecord.saved
     idle_calls: Optional[IdleCalls] = None  # WarmupRecord.idle_calls
+    idle_outputs: tuple = ()  # WarmupRecord.idle_outputs

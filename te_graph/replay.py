@@ -219,10 +219,10 @@ class Invocation:
     """One forward call's state, kept on its autograd node until its backward."""
 
     __slots__ = ("generation", "tick", "record", "copy_grads", "outputs", "backwards", "through_autograd", "fp8_first",
-                 "hooks_seen", "__weakref__")
+                 "hooks_seen", "idle", "__weakref__")
 
     def __init__(self, generation: int, tick: int, record: tuple, copy_grads: tuple, through_autograd: bool,
-                 outputs: Any = None, fp8_first: bool = False, hooks_seen: int = OBSERVED):
+                 outputs: Any = None, fp8_first: bool = False, hooks_seen: int = OBSERVED, idle: tuple = ()):
         self.backwards = 0  # how many times this call's backward ran (retain_graph)
         self.generation = generation
         self.tick = tick
@@ -235,6 +235,9 @@ class Invocation:
         # them): the process's hook-handle count then (``Runner._check_in_graph_backward``);
         # else OBSERVED.
         self.hooks_seen = hooks_seen
+        # Outputs that take no gradient at this call, though they may at others: computed
+        # only from inputs that require none now (``Runner.idle_now``).
+        self.idle = idle
 
 
 class Runner:
@@ -252,12 +255,15 @@ class Runner:
     def __init__(self, spec: GraphSpec, clock: Any, variant: int, updated: tuple[int, ...],
                  wgrad_book: Optional[WgradBook] = None, wgrad: Optional[DelayedWgrad] = None,
                  slot: Optional[OrderSlot] = None, saved: SavedOutputs = SavedOutputs(),
-                 idle_calls: Optional[IdleCalls] = None):
+                 idle_calls: Optional[IdleCalls] = None, idle_outputs: tuple = ()):
         self.name = spec.name
         # Where the outputs' backward reaches only inputs: those inputs (a call where none
         # requires grad replays without a backward, as eager autograd would record none).
         self.idle_unless = tuple(sorted(idle_calls.inputs)) if idle_calls is not None else None
         self.idle_refused = idle_calls is not None and idle_calls.refused
+        # Outputs whose backward reaches only some inputs (``WarmupRecord.idle_outputs``): at
+        # a call where none of those requires grad, such an output takes no gradient.
+        self.idle_outputs = idle_outputs
         # The outputs its backward reads: kept on each call's autograd node, so that one
         # updated in place before the backward is refused as eager autograd refuses it.
         self.saved = saved
@@ -341,6 +347,13 @@ class Runner:
         self.multi_output = len(outputs) - len(self.non_differentiable) > 1
         self.fed = fed or tuple(frozenset() for _ in outputs)
 
+    def idle_now(self, inputs: tuple[torch.Tensor, ...]) -> tuple[int, ...]:
+        """The outputs that require no grad at this call, as in eager code, though they may at
+        others: computed only from inputs of which none requires grad now. (Their backward,
+        captured with them, gets zeros there, which reach only those inputs' gradients:
+        nothing this call hands back.)"""
+        return tuple(i for i, reached in self.idle_outputs if not any(inputs[j].requires_grad for j in reached))
+
     def _issued(self, invocation: Invocation) -> Invocation:
         """Remember a call whose backward may come (checked by the next forward)."""
         self._waiting = weakref.ref(invocation)
@@ -371,7 +384,8 @@ class Runner:
         # The refusal first, so that a caller who catches it and retries gets it again.
         if self.multi_output:
             missing = next((i for i, g in enumerate(grads) if g is None and i not in self.non_differentiable
-                            and not any(grads[j] is not None for j in self.fed[i])), None)
+                            and i not in invocation.idle and not any(grads[j] is not None for j in self.fed[i])),
+                           None)
             if missing is not None:
                 raise RuntimeError(
                     f"{self.name}: output {missing} got no gradient in this backward (the loss does not "
@@ -541,7 +555,7 @@ class GraphRunner(Runner):
                  wgrad_book: Optional[WgradBook] = None, slot: Optional[OrderSlot] = None):
         super().__init__(spec, clock, variant, graph.updated_inputs, wgrad_book,
                          graph.wgrad.learned if graph.wgrad is not None else None, slot, graph.saved,
-                         graph.idle_calls)
+                         graph.idle_calls, graph.idle_outputs)
         self.graph = graph
         if graph.param_grads is not None:
             self.params = graph.param_grads.params  # less those only the weight-gradient pass sets
@@ -606,7 +620,8 @@ class GraphRunner(Runner):
             self._copy_back(inputs)
         outputs = self.handout.tensors()
         invocation = Invocation(self.generation, tick, record, copy_grads, through_autograd, None, fp8_first,
-                                OBSERVED if through_autograd else compat.hook_handles_made())
+                                OBSERVED if through_autograd else compat.hook_handles_made(),
+                                self.idle_now(inputs) if self.idle_outputs and with_backward else ())
         return (self._issued(invocation) if with_backward else invocation), outputs
 
     def backward(self, invocation: Invocation, grads: tuple) -> tuple:
@@ -678,7 +693,7 @@ class EagerRunner(Runner):
                  wgrad_book: Optional[WgradBook] = None, options: ReplayOptions = ReplayOptions(),
                  slot: Optional[OrderSlot] = None):
         super().__init__(spec, clock, variant, warmup.updated, wgrad_book, warmup.wgrad, slot, warmup.saved,
-                         warmup.idle_calls)
+                         warmup.idle_calls, warmup.idle_outputs)
         self.spec = spec
         self.fp8 = fp8  # the checks an FP8 graph's calls get (te_support.fp8_replay)
         self.takes_first_microbatch = accepts_is_first_microbatch(spec.call)
@@ -725,7 +740,8 @@ class EagerRunner(Runner):
         # through autograd): the same checks at the backward as the graphs'.
         observed = routed or compat.ddp_forward_active() or grads.hooked(self.accumulated)
         invocation = Invocation(self.generation, tick, (), (), routed, outputs, False,
-                                OBSERVED if observed else compat.hook_handles_made())
+                                OBSERVED if observed else compat.hook_handles_made(),
+                                self.idle_now(inputs) if self.idle_outputs and with_backward else ())
         detached = self.handout.hand_out(outputs)
         return (self._issued(invocation) if with_backward else invocation), detached
 
@@ -919,8 +935,8 @@ class _Replay(torch.autograd.Function):
         ctx.runner = runner
         ctx.invocation = invocation
         ctx.set_materialize_grads(False)
-        if runner.non_differentiable:
-            ctx.mark_non_differentiable(*(outputs[i] for i in runner.non_differentiable))
+        if runner.non_differentiable or invocation.idle:
+            ctx.mark_non_differentiable(*(outputs[i] for i in runner.non_differentiable + invocation.idle))
         if runner.saved.indices:
             ctx.save_for_backward(*(outputs[i] for i in runner.saved.indices))
         return outputs

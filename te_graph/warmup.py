@@ -71,6 +71,7 @@ def warm_up(
     fed_seen: dict[int, tuple] = {}  # per output, the outputs whose backward feeds it (outputs_fed)
     saved_seen: dict[int, SavedOutputs] = {}  # the outputs the backward reads (saved_outputs)
     idle_calls_seen: dict[int, Optional[IdleCalls]] = {}  # inputs_reached
+    idle_outputs_seen: dict[int, tuple] = {}  # outputs_reaching_inputs
     draws: dict[int, tuple[Optional[StreamUse], Optional[StreamUse]]] = {}
     for iteration in range(num_iters):
         first, last = iteration == 0, iteration == num_iters - 1
@@ -101,6 +102,7 @@ def warm_up(
                     if spec.needs_backward:
                         fed_seen[index] = outputs_fed(layout.tensors)
                         idle_calls_seen[index] = inputs_reached(layout.tensors, spec.static_inputs)
+                        idle_outputs_seen[index] = outputs_reaching_inputs(layout.tensors, spec.static_inputs)
                     del layout
                 backward_use = None
                 if spec.needs_backward:
@@ -138,6 +140,7 @@ def warm_up(
             fed=fed_seen.get(i, ()),
             saved=saved_seen.get(i, SavedOutputs()),
             idle_calls=idle_calls_seen.get(i),
+            idle_outputs=idle_outputs_seen.get(i, ()),
         )
         for i in range(len(specs))
     ]
@@ -318,15 +321,45 @@ def inputs_reached(tensors: Sequence[torch.Tensor], inputs: Sequence[torch.Tenso
     te_graph's own refuses such a call, ``refused``). Read from the autograd graph of the
     first warmup forward, without running it."""
     positions = {id(t): i for i, t in enumerate(inputs) if t.requires_grad}
-    reached: set = set()
-    seen: set = set()
-    refused = False
-    stack = []
+    starts = []
     for o in tensors:
         if o.requires_grad:
             if o.grad_fn is None:
                 return None
-            stack.append(o.grad_fn)
+            starts.append(o.grad_fn)
+    walked = _inputs_only(starts, positions, cross_functions=True)
+    if walked is None:
+        return None
+    reached, nodes = walked
+    return IdleCalls(reached, any(map(is_reentrant_checkpoint_node, nodes)))
+
+
+def outputs_reaching_inputs(tensors: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> tuple:
+    """(output, inputs) for each output whose backward reaches only those inputs, through
+    torch's built-in nodes. Eager autograd makes such an output require no grad at a call
+    where none of those inputs requires grad, and a loss may leave it out; the graphs,
+    captured with a gradient for it, then push zeros into its part of the backward, which
+    reach only those inputs' gradients (a built-in node passes gradients to its own inputs
+    only), and hand none of them back. A custom Function on the way ends it (a reentrant
+    checkpoint's backward reaches parameters through no edge of its node): that output
+    keeps requiring grad. Read from the autograd graph of the first warmup forward."""
+    positions = {id(t): i for i, t in enumerate(inputs) if t.requires_grad}
+    found = []
+    for index, o in enumerate(tensors):
+        if o.requires_grad and o.grad_fn is not None:
+            walked = _inputs_only([o.grad_fn], positions, cross_functions=False)
+            if walked is not None and walked[0]:
+                found.append((index, walked[0]))
+    return tuple(found)
+
+
+def _inputs_only(starts: list, positions: dict, cross_functions: bool) -> Optional[tuple[frozenset, set]]:
+    """The inputs (``positions``: tensor id to index) a backward from the nodes ``starts``
+    reaches, and the nodes on the way; None where it reaches another leaf, or, unless
+    ``cross_functions``, a custom Function's node."""
+    reached: set = set()
+    seen: set = set()
+    stack = list(starts)
     while stack:
         node = stack.pop()
         if node in seen:
@@ -338,9 +371,10 @@ def inputs_reached(tensors: Sequence[torch.Tensor], inputs: Sequence[torch.Tenso
                 return None
             reached.add(position)
             continue
-        refused = refused or is_reentrant_checkpoint_node(node)
+        if not cross_functions and isinstance(node, torch.autograd.function.BackwardCFunction):
+            return None
         stack.extend(edge for edge, _ in node.next_functions if edge is not None)
-    return IdleCalls(frozenset(reached), refused)
+    return frozenset(reached), seen
 
 
 def outputs_fed(tensors: Sequence[torch.Tensor]) -> tuple[frozenset, ...]:

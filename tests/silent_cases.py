@@ -134,6 +134,14 @@ class Returns(Net):
         return y, second[self.what]()
 
 
+class MaskOutput(Net):
+    """Takes a second input (a mask) and returns a second tensor computed from it alone,
+    through log (zeros pushed through its backward turn into infinities there)."""
+
+    def forward(self, x, mask):
+        return self.body(x) * mask, torch.log(mask * mask)
+
+
 class Effect(Net):
     """A forward with a side effect (``kind``) besides computing Net."""
 
@@ -461,6 +469,16 @@ def every_output(st, x):
     return h, st.calls[1](h)
 
 
+def mask_outputs(st, x):
+    """A forward over MaskOutput layers, each fed a mask without grad: their second outputs
+    (and whether they require grad) are observed, not put in the loss."""
+    for f in st.calls:
+        x, second = f(x, st.randn(SEQ, B, H) + 0.5)
+        st.log("second output", second)
+        st.log("second output requires grad", second.requires_grad)
+    return x
+
+
 def frozen_first_forward(st, x):
     h = st.calls[0](x.detach())
     st.log("first layer's output requires grad", h.requires_grad)
@@ -499,6 +517,10 @@ GRADS = [
     Case("reentrant-checkpoint-input-without-grad", "grads",
          "feeds data without grad to a layer inside torch's reentrant checkpoint (eager trains it nothing)",
          build=lambda device: [ReentrantNet(p=0.0).to(device), Net().to(device)], forward=frozen_first_forward),
+    Case("output-of-input-without-grad-unused", "grads",
+         "feeds a mask without grad (its sample had grad) and leaves out of the loss an output computed from it alone",
+         build=nets(make=MaskOutput), samples=lambda st: [(st.sample(SEQ, B, H), st.sample(SEQ, B, H))
+                                                          for _ in st.layers], forward=lambda st, x: mask_outputs(st, x)),
 ]
 
 

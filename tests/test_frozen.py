@@ -435,6 +435,41 @@ def test_an_output_without_gradient_that_another_was_computed_from_trains_as_eag
         assert all(torch.equal(a.grad, b.grad) for a, b in zip(eager.parameters(), graphed.parameters()))
 
 
+class _WithMask(Net):
+    """A second output computed from a second input only (a mask), through log (zeros
+    pushed through its backward turn into infinities there)."""
+
+    def forward(self, x, mask):
+        return super().forward(x) * mask, torch.log(mask * mask)
+
+
+def test_an_output_computed_only_from_inputs_without_grad_takes_none_as_in_eager():
+    """Eager autograd gives an output computed only from inputs that require no grad at a
+    call no grad, and a loss may leave it out; so do the graphs at such a call, and train
+    as eager. Where its input requires grad, the output does too, and leaving it out of the
+    loss is refused as before."""
+    torch.manual_seed(0)
+    eager, module = _WithMask(), _WithMask()
+    module.load_state_dict(eager.state_dict())
+    graphed = make_graphed_callables(module, (_x(), torch.rand(S, B, H, requires_grad=True) + 0.5),
+                                     eager_replay=True)
+    for step in range(2):
+        for m in (eager, graphed):
+            torch.manual_seed(step)
+            x, mask = _x(), torch.rand(S, B, H) + 0.5
+            y, logged = m(x, mask)
+            assert y.requires_grad and not logged.requires_grad
+            weighted_loss(y).backward()
+            m.x_grad = x.grad
+        assert torch.equal(eager.x_grad, graphed.x_grad)
+        assert all(torch.equal(a.grad, b.grad) for a, b in zip(eager.parameters(), module.parameters()))
+    y, logged = graphed(_x(), torch.rand(S, B, H, requires_grad=True) + 0.5)
+    assert logged.requires_grad
+    with pytest.raises(RuntimeError, match=re.escape(
+            "callable 0 (_WithMask): output 1 got no gradient in this backward (the loss does not use it)")):
+        weighted_loss(y).backward()
+
+
 @pytest.mark.parametrize("kind", ["one-node-two-outputs", "path-without-gradient"])
 def test_an_output_without_gradient_that_no_used_output_feeds_is_refused(kind):
     """Where the used output's backward reaches the unused one's node but delivers it no
