@@ -18,6 +18,7 @@ result is one :class:`WarmupRecord` per graph.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 from typing import Any, Optional, Sequence
 
@@ -342,11 +343,15 @@ def outputs_reaching_inputs(tensors: Sequence[torch.Tensor], inputs: Sequence[to
     reach only those inputs' gradients (a built-in node passes gradients to its own inputs
     only), and hand none of them back. A custom Function on the way ends it (a reentrant
     checkpoint's backward reaches parameters through no edge of its node): that output
-    keeps requiring grad. Read from the autograd graph of the first warmup forward."""
+    keeps requiring grad. So does an output sharing memory with another (a view of it): the
+    outputs handed out do not view each other, so an in-place update of one with a tensor
+    requiring grad would not reach the other's history, as it does in eager code. Read from
+    the autograd graph of the first warmup forward."""
     positions = {id(t): i for i, t in enumerate(inputs) if t.requires_grad}
+    storages = collections.Counter(o.untyped_storage().data_ptr() for o in tensors)
     found = []
     for index, o in enumerate(tensors):
-        if o.requires_grad and o.grad_fn is not None:
+        if o.requires_grad and o.grad_fn is not None and storages[o.untyped_storage().data_ptr()] == 1:
             walked = _inputs_only([o.grad_fn], positions, cross_functions=False)
             if walked is not None and walked[0]:
                 found.append((index, walked[0]))
@@ -371,6 +376,7 @@ def _inputs_only(starts: list, positions: dict, cross_functions: bool) -> Option
                 return None
             reached.add(position)
             continue
+        # (A custom Function of Python's; C++ nodes are all crossed.)
         if not cross_functions and isinstance(node, torch.autograd.function.BackwardCFunction):
             return None
         stack.extend(edge for edge, _ in node.next_functions if edge is not None)

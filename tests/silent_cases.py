@@ -135,11 +135,13 @@ class Returns(Net):
 
 
 class MaskOutput(Net):
-    """Takes a second input (a mask) and returns a second tensor computed from it alone,
-    through log (zeros pushed through its backward turn into infinities there)."""
+    """Takes a second input (a mask, with zeros) and returns a second tensor computed from it
+    alone, through log, from a node the first output's path shares (zeros pushed through its
+    backward turn into NaN there: 0 / 0)."""
 
     def forward(self, x, mask):
-        return self.body(x) * mask, torch.log(mask * mask)
+        shared = mask * 2
+        return self.body(x) * shared, torch.log(shared)
 
 
 class Effect(Net):
@@ -473,7 +475,7 @@ def mask_outputs(st, x):
     """A forward over MaskOutput layers, each fed a mask without grad: their second outputs
     (and whether they require grad) are observed, not put in the loss."""
     for f in st.calls:
-        x, second = f(x, st.randn(SEQ, B, H) + 0.5)
+        x, second = f(x, (st.randn(SEQ, B, H) > -0.5).to(x.dtype))
         st.log("second output", second)
         st.log("second output requires grad", second.requires_grad)
     return x

@@ -436,11 +436,17 @@ def test_an_output_without_gradient_that_another_was_computed_from_trains_as_eag
 
 
 class _WithMask(Net):
-    """A second output computed from a second input only (a mask), through log (zeros
-    pushed through its backward turn into infinities there)."""
+    """A second output computed from a second input only (a mask, with zeros), through log:
+    zeros pushed through its backward turn into NaN there (0 / 0), in a node the first
+    output's path shares."""
 
     def forward(self, x, mask):
-        return super().forward(x) * mask, torch.log(mask * mask)
+        shared = mask * 2
+        return super().forward(x) * shared, torch.log(shared)
+
+
+def _mask(grad: bool = False) -> torch.Tensor:
+    return torch.bernoulli(torch.full((S, B, H), 0.7)).requires_grad_(grad)
 
 
 def test_an_output_computed_only_from_inputs_without_grad_takes_none_as_in_eager():
@@ -456,14 +462,16 @@ def test_an_output_computed_only_from_inputs_without_grad_takes_none_as_in_eager
     for step in range(2):
         for m in (eager, graphed):
             torch.manual_seed(step)
-            x, mask = _x(), torch.rand(S, B, H) + 0.5
+            x, mask = _x(), _mask()
             y, logged = m(x, mask)
             assert y.requires_grad and not logged.requires_grad
             weighted_loss(y).backward()
-            m.x_grad = x.grad
-        assert torch.equal(eager.x_grad, graphed.x_grad)
-        assert all(torch.equal(a.grad, b.grad) for a, b in zip(eager.parameters(), module.parameters()))
-    y, logged = graphed(_x(), torch.rand(S, B, H, requires_grad=True) + 0.5)
+            m.seen = (y.detach().clone(), logged.clone(), x.grad)
+        assert logged.isinf().any()  # the mask's zeros
+        assert all(torch.equal(a, b) for a, b in zip(eager.seen, graphed.seen))
+        for a, b in zip(eager.parameters(), module.parameters()):  # no NaN, no -0.0 for 0.0
+            assert torch.equal(a.grad, b.grad) and torch.equal(a.grad.signbit(), b.grad.signbit())
+    y, logged = graphed(_x(), _mask(grad=True))
     assert logged.requires_grad
     with pytest.raises(RuntimeError, match=re.escape(
             "callable 0 (_WithMask): output 1 got no gradient in this backward (the loss does not use it)")):

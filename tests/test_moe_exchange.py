@@ -95,7 +95,7 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
         experts = _Experts(weights[rank * LOCAL:(rank + 1) * LOCAL])
         program = PaddedDispatch(experts, _unpermute, False, exchange)
         counts = exchange.counts(routing_map, permuted.shape[0])
-        block = max(max(row[:-1]) for row in counts) + 1  # one padding row at least in every block
+        block = counts.largest() + 1  # one padding row at least in every block
         out = program(permuted, probs, routing_map, token, torch.empty(block, 0))
         out.sum().backward()
 
@@ -113,8 +113,9 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
         layer = types.SimpleNamespace(token_dispatcher=dispatcher, experts=experts)
         refusal = agreed_refusal(layer, "its experts module has hooks" if rank == 1 else None)
         result = {
-            "counts": counts,
-            "other_rows": [row[-1] for row in other_rows],
+            "counts": [list(row) for row in counts.per_expert],
+            "sizes": [list(counts.tokens), list(counts.rows)],
+            "other_sizes": [list(other_rows.tokens), list(other_rows.rows)],
             "refusal": refusal,
             "own_counts": routing_map.sum(dim=0).tolist(),
             "output": (out - reference).abs().max().item(),
@@ -141,13 +142,14 @@ def _free_port() -> int:
 def test_blocks_exchanged_over_two_ranks_compute_each_token_with_its_experts(tmp_path):
     mp.spawn(_rank_main, args=(_free_port(), str(tmp_path)), nprocs=WORLD)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
-    # Every rank holds the whole (rank, expert) matrix of counts, its own row its own counts
-    # and then its permuted tokens.
+    # Every rank holds the whole (rank, expert) matrix of counts (its own row its own counts)
+    # and every rank's tokens and permuted tokens.
     assert results[0]["counts"] == results[1]["counts"]
     for rank, result in enumerate(results):
-        assert result["counts"][rank] == result["own_counts"] + [TOKENS * TOPK]
+        assert result["counts"][rank] == result["own_counts"]
         assert sum(result["own_counts"]) == TOKENS * TOPK
-        assert result["other_rows"] == [TOKENS * TOPK, (TOKENS - 1) * TOPK]
+        assert result["sizes"] == [[TOKENS, TOKENS], [TOKENS * TOPK, TOKENS * TOPK]]
+        assert result["other_sizes"] == [[TOKENS, TOKENS - 1], [TOKENS * TOPK, (TOKENS - 1) * TOPK]]
         for name in ("output", "weight_grad", "input_grad"):
             assert result[name] < 1e-13, (rank, name, result)
     assert results[1]["refusal"] == "its experts module has hooks"

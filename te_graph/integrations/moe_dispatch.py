@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import math
 import sys
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -58,7 +59,7 @@ from .. import compat
 from . import megatron
 from .moe_experts import DroplessExperts, padded_layout
 
-__all__ = ["DroplessDispatch", "ExpertExchange", "PaddedDispatch", "agreed_refusal", "block_rows", "capacity_shape",
+__all__ = ["DroplessDispatch", "ExpertExchange", "GroupCounts", "PaddedDispatch", "agreed_refusal", "block_rows", "capacity_shape",
            "dispatch_refusal", "dispatch_samples", "distinct_blocks", "expert_exchange", "functions_refusal",
            "module_of"]
 
@@ -110,6 +111,19 @@ def dispatch_refusal(layer: torch.nn.Module) -> Optional[str]:
     return None
 
 
+@dataclass(frozen=True)
+class GroupCounts:
+    """One call's token counts on every rank of the expert-parallel group, on the host."""
+
+    per_expert: tuple[tuple[int, ...], ...]  # per rank, its tokens for each expert
+    tokens: tuple[int, ...]  # per rank, the tokens it routed (its routing map's rows)
+    rows: tuple[int, ...]  # per rank, its permuted tokens
+
+    def largest(self) -> int:
+        """The most tokens one rank sends one expert: the block rows the call needs."""
+        return max(max(row) for row in self.per_expert)
+
+
 class ExpertExchange:
     """How the padded layout travels between the ranks of the expert-parallel group (the
     dispatcher's ``ep_group``, ``ranks`` of them, ``local_experts`` each): by the dispatcher's
@@ -123,16 +137,19 @@ class ExpertExchange:
         self.use_nccl_stream = bool(getattr(dispatcher, "use_nccl_stream", False))
         self._all_to_all = all_to_all
 
-    def counts(self, routing_map: torch.Tensor, rows: int) -> list[list[int]]:
-        """This call's token counts on every rank of the group, on the host: per rank, its
-        tokens for each expert, then ``rows`` (its permuted tokens). A sync point, with
-        several ranks after one all-gather of the counts."""
-        local = torch.cat([routing_map.sum(dim=0), routing_map.new_full((1,), rows, dtype=torch.long)])
+    def counts(self, routing_map: torch.Tensor, rows: int) -> "GroupCounts":
+        """This call's token counts on every rank of the group, on the host (``rows``: this
+        rank's permuted tokens). A sync point, with several ranks after one all-gather."""
+        sizes = routing_map.new_tensor([routing_map.shape[0], rows], dtype=torch.long)
+        local = torch.cat([routing_map.sum(dim=0), sizes])
         if self.ranks == 1:
-            return [local.tolist()]
-        gathered = [torch.empty_like(local) for _ in range(self.ranks)]
-        torch.distributed.all_gather(gathered, local, group=self.group)
-        return torch.stack(gathered).tolist()
+            table = [local.tolist()]
+        else:
+            gathered = [torch.empty_like(local) for _ in range(self.ranks)]
+            torch.distributed.all_gather(gathered, local, group=self.group)
+            table = torch.stack(gathered).tolist()
+        return GroupCounts(tuple(tuple(row[:-2]) for row in table), tuple(row[-2] for row in table),
+                           tuple(row[-1] for row in table))
 
     def to_experts(self, rows: torch.Tensor) -> torch.Tensor:
         """Blocks of every expert in order ([rank][local expert][block]) to this rank's experts'
@@ -297,14 +314,15 @@ class DroplessDispatch(DroplessExperts):
             return self._own["dispatch"](hidden, probs)
         # A sync point: the host waits for the router (and the group's all-gather).
         counts = self.exchange.counts(dispatcher.routing_map, hidden.shape[0])
-        largest = max(max(row[:-1]) for row in counts)
+        largest = counts.largest()
         capacity = self._capacity(largest)
         # The graphs take the tokens they were captured for, every one sent to top-k experts
         # (a router of one's own may send fewer), on every rank: megatron-core's own methods
         # otherwise (ranks may route different numbers of tokens), as above the largest
         # capacity with overflow="eager" (megatron-core 0.19's then fail as eagerly). Every
         # rank reads the same counts, so all take the same way.
-        if (any(row[-1] != self.rows or sum(row[:-1]) != self.rows for row in counts)
+        if (any(tokens != self.tokens for tokens in counts.tokens) or any(rows != self.rows for rows in counts.rows)
+                or any(sum(row) != self.rows for row in counts.per_expert)
                 or (capacity is None and self.overflow_rows is None)):
             self.eager_calls += 1
             return self._own["dispatch"](hidden, probs)
