@@ -520,8 +520,9 @@ class Runner:
                 f"{self.name}: an output of this call was updated in place after its forward, and the backward "
                 "reads that output (one of the variables needed for gradient computation has been modified by "
                 "an inplace operation), or it is a view whose update eager autograd refuses (one a custom "
-                f"Function or a multi-output operation returned){unknown}. Eager autograd refuses this too. "
-                "Update a copy of the output (y = y + ...) instead."
+                "Function or a multi-output operation returned): eager autograd refuses these too. Or it "
+                "shares memory with another output (a view of it), whose history eager autograd changes with "
+                f"it and a graph's outputs cannot{unknown}. Update a copy of the output (y = y + ...) instead."
             ) from error
 
     def _check_fresh(self, invocation: Invocation) -> None:

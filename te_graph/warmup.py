@@ -256,8 +256,13 @@ def _probed_backward(spec: GraphSpec, stand_ins: StandIns, outputs: Any, forward
     candidates = _candidates(spec, outputs)
     # A view whose in-place update eager autograd refuses at once (a custom Function's, as a
     # reentrant checkpoint returns) counts as read without a probe, which could only fail.
-    refused = tuple(i for i, o in enumerate(candidates) if o is not None and o.requires_grad
-                    and compat.view_update_refused(o))
+    # So does an output requiring grad that shares memory with another (a view of it, or it
+    # of the other): eager autograd carries an in-place update of one into the other's
+    # history, which the outputs handed out, viewing the graph's memory each on its own,
+    # cannot. (Without grad, an update changes values only, which they share.)
+    shared = sharing_memory([o if o is not None and o.requires_grad else None for o in candidates])
+    refused = tuple(i for i, o in enumerate(candidates) if o is not None and (
+        i in shared or (o.requires_grad and compat.view_update_refused(o))))
     probe = [i for i, o in enumerate(candidates) if o is not None and i not in refused]
     for i in probe:
         _bump(candidates[i])
@@ -348,14 +353,21 @@ def outputs_reaching_inputs(tensors: Sequence[torch.Tensor], inputs: Sequence[to
     requiring grad would not reach the other's history, as it does in eager code. Read from
     the autograd graph of the first warmup forward."""
     positions = {id(t): i for i, t in enumerate(inputs) if t.requires_grad}
-    storages = collections.Counter(o.untyped_storage().data_ptr() for o in tensors)
+    shared = sharing_memory(tensors)
     found = []
     for index, o in enumerate(tensors):
-        if o.requires_grad and o.grad_fn is not None and storages[o.untyped_storage().data_ptr()] == 1:
+        if o.requires_grad and o.grad_fn is not None and index not in shared:
             walked = _inputs_only([o.grad_fn], positions, cross_functions=False)
             if walked is not None and walked[0]:
                 found.append((index, walked[0]))
     return tuple(found)
+
+
+def sharing_memory(tensors: Sequence[Optional[torch.Tensor]]) -> frozenset:
+    """The indices of the tensors (None: left out) whose memory another of them shares."""
+    storages = collections.Counter(o.untyped_storage().data_ptr() for o in tensors if o is not None and o.numel())
+    return frozenset(i for i, o in enumerate(tensors)
+                     if o is not None and o.numel() and storages[o.untyped_storage().data_ptr()] > 1)
 
 
 def _inputs_only(starts: list, positions: dict, cross_functions: bool) -> Optional[tuple[frozenset, set]]:

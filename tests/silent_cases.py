@@ -129,7 +129,7 @@ class Returns(Net):
             second = torch.sqrt(d * d)  # zeros pushed back here would be NaN (sqrt at 0)
             return NoGrad.apply(second) + self.body(x), second
         y = self.body(x)
-        second = {"input": lambda: x, "input-view": lambda: x[..., : H // 2], "same": lambda: y,
+        second = {"input": lambda: x, "input-view": lambda: x[..., : H // 2], "same": lambda: y, "row": lambda: y[0],
                   "param-view": lambda: self.lin1.weight.t(), "sqrt": lambda: torch.sqrt(self.aux(x))}
         return y, second[self.what]()
 
@@ -540,6 +540,18 @@ def ids_samples(st):
     return [(torch.randint(0, VOCAB, (SEQ, B), generator=st.sample_gen).to(st.device),)]
 
 
+def scaled_second(st, x):
+    """A forward over Returns layers whose second output views the first: each second output
+    is scaled in place (eager autograd carries that into the first's history); the loss is
+    taken of the last output and of every second output."""
+    seconds = []
+    for f in st.calls:
+        x, second = f(x)
+        second.mul_(2.0)
+        seconds.append(second)
+    return (x, *seconds)
+
+
 def two_outputs(combine):
     """A forward over Returns layers: ``combine(y, second)`` feeds the next layer, and the
     loss is taken of the last output and of every second output."""
@@ -574,6 +586,9 @@ SIDE_EFFECTS = [
          build=nets(make=Returns, what="input"), forward=two_outputs(lambda y, r: y + r)),
     Case("returns-input-view", "side-effects", "returns a view of its input as a second output",
          build=nets(make=Returns, what="input-view"), forward=two_outputs(lambda y, v: y)),
+    Case("output-view-updated-in-place", "side-effects",
+         "returns a row of its output as a second output, and scales that row in place",
+         build=nets(make=Returns, what="row"), forward=scaled_second),
     Case("same-output-twice", "side-effects", "returns the same tensor twice",
          build=nets(make=Returns, what="same"), forward=two_outputs(lambda y, y2: y + 0.5 * y2)),
     Case("output-aliases-param", "side-effects", "returns a view of its weight (for a regulariser)",
