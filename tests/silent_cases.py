@@ -191,6 +191,13 @@ class Emb(nn.Module):
         return torch.tanh(self.lin(self.emb(ids)))
 
 
+class TanhOut(Net):
+    """Net ending in tanh, whose backward reads its output."""
+
+    def forward(self, x):
+        return torch.tanh(self.body(x))
+
+
 class Recompute(Net):
     """Net with its body under checkpointing.checkpoint (recompute inside the graph)."""
 
@@ -306,6 +313,9 @@ class Case:
     documented: str = ""
     # The eager program a documented case equals bitwise (None: it differs by rounding).
     same_as: Optional["Case"] = None
+    # Where eager code itself refuses the case: a phrase of its error. The graphed run must
+    # then refuse it too, at the same point, with what it observed before equal.
+    eager_refuses: str = ""
 
     def __str__(self) -> str:
         return self.id
@@ -481,6 +491,13 @@ def mask_outputs(st, x):
     return x
 
 
+def output_updated_in_place(st, x):
+    """The last output updated in place before the loss is taken of it."""
+    y = chain(st, x)
+    y.add_(1.0)
+    return y
+
+
 def frozen_first_forward(st, x):
     h = st.calls[0](x.detach())
     st.log("first layer's output requires grad", h.requires_grad)
@@ -519,6 +536,13 @@ GRADS = [
     Case("reentrant-checkpoint-input-without-grad", "grads",
          "feeds data without grad to a layer inside torch's reentrant checkpoint (eager trains it nothing)",
          build=lambda device: [ReentrantNet(p=0.0).to(device), Net().to(device)], forward=frozen_first_forward),
+    Case("reentrant-recompute-input-without-grad", "grads",
+         "feeds data without grad to a layer under checkpointing.checkpoint(use_reentrant=True), which eager refuses",
+         build=nets(make=Recompute), forward=frozen_first_forward, eager_refuses="no tensor argument requires grad"),
+    Case("output-read-by-backward-updated-in-place", "grads",
+         "updates in place an output its backward reads (tanh) before the backward, which eager refuses",
+         build=nets(make=TanhOut), forward=output_updated_in_place,
+         eager_refuses="modified by an inplace operation"),
     Case("output-of-input-without-grad-unused", "grads",
          "feeds a mask without grad (its sample had grad) and leaves out of the loss an output computed from it alone",
          build=nets(make=MaskOutput), samples=lambda st: [(st.sample(SEQ, B, H), st.sample(SEQ, B, H))

@@ -24,6 +24,11 @@ Outcome of one (case, mode):
 - ``crash``: any other exception (torch's or the user code's, or a te_graph error that
   left the state changed).
 
+Where eager code itself raises (``Case.eager_refuses``, a phrase of its error: an output
+the backward reads updated in place, a reentrant checkpoint fed no input requiring grad),
+the graphed run must raise too, at the same point (a call, a backward), having observed
+what eager did until then: ``refused`` then, ``silent`` where it ran on.
+
 Modes: ``eager_replay`` (CPU and CUDA) and ``graphs`` (CUDA only). The tests assert
 ``equal`` or ``refused`` for every case and mode, and, on a GPU, that graphs and eager
 replay land in the same outcome class (eager replay is the debugging mirror of graphs).
@@ -277,6 +282,8 @@ def run(case: Case, mode: str, device: str) -> Run:
             case.train(st)
         except Exception as e:  # noqa: BLE001 - classified
             if mode == "eager":
+                if case.eager_refuses and case.eager_refuses in str(e):
+                    return Run(st.observed, Outcome("refused", f"at {st.where}: {type(e).__name__}"))
                 raise CaseError(f"case {case.id}: the eager reference failed: {type(e).__name__}: {e}") from e
             return Run(st.observed, _error(e, st))
         return Run(st.observed)
@@ -289,12 +296,25 @@ def run(case: Case, mode: str, device: str) -> Run:
 
 
 @functools.lru_cache(maxsize=None)
+def eager_run(case_id: str, device: str) -> Run:
+    return run(BY_ID[case_id], "eager", device)
+
+
 def reference(case_id: str, device: str) -> list:
-    return run(BY_ID[case_id], "eager", device).observed
+    return eager_run(case_id, device).observed
 
 
 def outcome(case: Case, mode: str, device: str) -> Outcome:
     got = run(case, mode, device)
+    want = eager_run(case.id, device)
+    if want.error is not None:  # eager code refuses the case: so must the graphed run, alike
+        if got.error is None:
+            return Outcome("silent", f"eager code refused it {want.error.detail}, but it ran")
+        where = want.error.detail.split(":")[0]
+        if got.error.kind == "refused" and not got.error.detail.startswith(where):
+            return Outcome("crash", f"refused {got.error.detail}, where eager code refused it {where}")
+        diff = compare(got.observed, want.observed)
+        return got.error if diff is None else Outcome("silent", f"before the refusal: {diff}")
     if got.error is not None:
         return got.error
     diff = compare(got.observed, reference(case.id, device))
