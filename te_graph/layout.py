@@ -29,6 +29,25 @@ def describe_value(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+
+def same_constant(now: Any, then: Any) -> bool:
+    """Whether a keyword constant equals the one baked into the graph, as the forward would
+    see it: the same type (``1``, ``1.0`` and ``True`` are equal in Python, but give a
+    tensor product another dtype) and an equal value, floats to the bit (``-0.0`` and
+    ``0.0`` are equal, but ``copysign`` tells them apart; a NaN equals a NaN)."""
+    if type(now) is not type(then) or isinstance(now, torch.Tensor):
+        return False
+    if isinstance(now, float):
+        return now.hex() == then.hex()
+    if type(now) in (tuple, list):
+        return len(now) == len(then) and all(map(same_constant, now, then))
+    if type(now) is dict:
+        return now.keys() == then.keys() and all(same_constant(now[k], then[k]) for k in now)
+    try:
+        return bool(now == then)
+    except Exception:  # noqa: BLE001 - a value without a plain equality: changed unless identical
+        return False
+
 def _structure(spec: Any) -> str:
     """A pytree structure drawn with ``*`` for each leaf: ``(*, [*, *])``."""
     return repr(pytree.tree_unflatten([_Leaf()] * spec.num_leaves, spec))
@@ -147,7 +166,7 @@ class InputLayout:
             kwargs = self._as_captured(kwargs)
         for key, value in self.constants.items():
             now = kwargs[key]
-            if now is not value and (isinstance(now, torch.Tensor) or now != value):
+            if now is not value and not same_constant(now, value):
                 raise self._constant_changed(repr(key), now, value)
         if self._plain_kwargs:
             for key in self.tensor_keys:
@@ -169,7 +188,7 @@ class InputLayout:
             for position, (now, then) in enumerate(zip(leaves, captured)):
                 if then is _TENSOR:  # checked with the other tensors (``check``)
                     tensors.append(now)
-                elif now is not then and (isinstance(now, torch.Tensor) or now != then):
+                elif now is not then and not same_constant(now, then):
                     raise self._constant_changed(f"{key!r} (leaf {position} of {_structure(spec)})", now, then)
         return tensors
 

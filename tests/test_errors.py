@@ -107,6 +107,23 @@ def test_replay_constant_kwarg_must_match():
         graphed(_x())
 
 
+@pytest.mark.parametrize("captured, called", [(1, 1.0), (1.0, 1), (1, True), (0.0, -0.0)],
+                         ids=["int-then-float", "float-then-int", "int-then-bool", "zero-then-minus-zero"])
+def test_replay_constant_kwarg_equal_in_python_but_not_to_the_forward_is_refused(captured, called):
+    """1, 1.0 and True are equal in Python, but a tensor times each has another dtype; 0.0 and
+    -0.0 are equal, but copysign tells them apart: the forward would see another value."""
+    graphed = make_graphed_callables(Lin(), (_x(),), sample_kwargs={"scale": captured}, eager_replay=True)
+    graphed(_x(), scale=captured)
+    with pytest.raises(ValueError, match=r"keyword argument 'scale'.* is .* but was .* at capture; non-tensor keyword "
+                                         r"arguments are baked into the graph"):
+        graphed(_x(), scale=called)
+
+
+def test_replay_constant_kwarg_nan_is_the_captured_nan():
+    graphed = make_graphed_callables(Lin(), (_x(),), sample_kwargs={"scale": float("nan")}, eager_replay=True)
+    graphed(_x(), scale=float("nan"))  # another NaN object, the same value
+
+
 @pytest.mark.skipif(CUDA, reason="checks the CPU-only machine's error")
 def test_cuda_unavailable_points_to_eager_replay():
     with pytest.raises(RuntimeError, match=r"CUDA is not available, and capturing CUDA graphs needs a CUDA device\. To debug on a machine without graphs, pass eager_replay=True \(or set TE_GRAPH_EAGER_REPLAY=1\)"):
