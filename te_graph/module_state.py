@@ -21,6 +21,8 @@ replay must be refused before the user trains on it:
   cannot take warmup's updates back).
 * **references** a forward keeps to its input or to an output it made (``self.last = x``, a
   cache keyed by tensor identity) would hold te_graph's static buffers at replay: refused.
+  So is one it takes to a parameter (a lazy tie made at the first call), which warmup would
+  have pointed at a stand-in.
 
 Transformer Engine's modules keep their own per-call state (FP8 meta, workspaces), which
 ``te_support`` saves and restores; their Python attributes are not compared here.
@@ -187,11 +189,25 @@ class ModuleState:
                 )
 
     # -- what a forward keeps -----------------------------------------------------------------
-    def check_references(self, owner: str, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
+    def check_references(self, owner: str, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
+                         stand_ins: Sequence[torch.Tensor] = ()) -> None:
         """After a forward of ``owner``: no attribute of its modules holds one of its static
-        inputs, or an output it made (a tensor the module did not hold before warmup)."""
+        inputs, an output it made (a tensor the module did not hold before warmup), or a
+        stand-in of one of its parameters (``stand_ins``: what the modules hold in their
+        parameters' place while warmup and capture run)."""
         before = {id(t) for _, t, _ in self._tensors} | {id(b) for _, b in self._buffers}
+        standing_in = {id(s) for s in stand_ins}
         for attr, tensor in self._held_tensors(owner):
+            if id(tensor) in standing_in:
+                raise ValueError(
+                    f"make_graphed_callables: the forward of {attr.owner} keeps a reference to one of its "
+                    f"parameters in {attr.where!r}, taken while it was graphed (a reference cached at the first "
+                    "call?); warmup and capture run on stand-ins in the parameters' place, so that attribute "
+                    "would keep a stand-in, and the graphs would train it instead of the parameter. Read the "
+                    "parameter from its module at every call (self.linear.weight)."
+                )
+            if isinstance(tensor, torch.nn.Parameter):
+                continue
             if any(shares_memory(tensor, t) for t in inputs):
                 raise ValueError(
                     f"make_graphed_callables: the forward of {attr.owner} keeps a reference to its "
@@ -208,8 +224,8 @@ class ModuleState:
                 )
 
     def _held_tensors(self, owner: str) -> Iterable[tuple[_Attr, torch.Tensor]]:
-        """The tensors the watched modules of ``owner`` hold in plain attributes, directly or
-        one container deep."""
+        """The tensors (parameters too) the watched modules of ``owner`` hold in plain
+        attributes, directly or one container deep."""
         for where, prefix, sub in self._watched:
             if where != owner:
                 continue
@@ -218,7 +234,7 @@ class ModuleState:
                     continue
                 items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple, set)) else (value,)
                 for item in items:
-                    if isinstance(item, torch.Tensor) and not isinstance(item, torch.nn.Parameter):
+                    if isinstance(item, torch.Tensor):
                         yield _Attr(owner, sub, key, prefix), item
 
     # -- afterwards ---------------------------------------------------------------------------

@@ -94,7 +94,8 @@ def warm_up(
                 state.check_not_reassigned()
                 if first or last:
                     out = tuple(_tensor_leaves(outputs))
-                    state.check_references(spec.owner, spec.static_inputs, out)
+                    state.check_references(spec.owner, spec.static_inputs, out,
+                                           tuple(s for s in stand_ins(spec.params) if s is not None))
                 if first:
                     _check_first_forward(spec, out)
                     layout = OutputLayout(spec.name, outputs)

@@ -191,6 +191,20 @@ class Emb(nn.Module):
         return torch.tanh(self.lin(self.emb(ids)))
 
 
+class LazyTied(Net):
+    """Net whose second linear also reads the first's weight, through a reference kept at
+    the first call (a lazy tie)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.tied = None
+
+    def forward(self, x):
+        if self.tied is None:
+            self.tied = [self.lin1.weight]
+        return self.body(x) @ self.tied[0].t()
+
+
 class TanhOut(Net):
     """Net ending in tanh, whose backward reads its output."""
 
@@ -613,6 +627,9 @@ SIDE_EFFECTS = [
     Case("output-view-updated-in-place", "side-effects",
          "returns a row of its output as a second output, and scales that row in place",
          build=nets(make=Returns, what="row"), forward=scaled_second),
+    Case("lazy-parameter-reference", "side-effects",
+         "keeps a reference to its own weight at its first call and computes with it after",
+         build=nets(make=LazyTied)),
     Case("same-output-twice", "side-effects", "returns the same tensor twice",
          build=nets(make=Returns, what="same"), forward=two_outputs(lambda y, y2: y + 0.5 * y2)),
     Case("output-aliases-param", "side-effects", "returns a view of its weight (for a regulariser)",
