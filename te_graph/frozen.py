@@ -18,10 +18,15 @@ them before each replay, see ``integrations.megatron.hooks_run_by_hand``) is tak
 the fingerprint and the call goes on; anything else raises before the call changes
 anything, saying what changed and to graph again.
 
+Plain tensor attributes are compared by identity (a new tensor over the same memory is
+taken in: the graphs read them by address).
+
 What no fingerprint here sees: attributes of objects that are not modules (a config
 object the forward reads), integer attributes (a framework's per-call counters live
-there), the Python attributes of Transformer Engine's modules (``te_support`` checks
-their per-call state), values closed over by a function, and tensors' contents.
+there), tuples, subclasses of the watched types (NumPy scalars), class attributes and
+attributes created after graphing, the Python attributes of Transformer Engine's modules
+(``te_support`` checks their per-call state), values closed over by a function, and
+tensors' contents.
 """
 from __future__ import annotations
 
@@ -33,6 +38,7 @@ import torch
 
 from . import compat
 from .integrations import megatron
+from .layout import describe_value
 from .module_state import MODULE_INTERNALS
 
 __all__ = ["Settings", "FrozenModule", "Fingerprint", "hooks_outside_graphs", "global_hooks_run_at_capture_only"]
@@ -136,6 +142,8 @@ class FrozenModule:
         hook_owners: list[Optional[torch.nn.Module]] = []  # the module of each table (None: global)
         params: list[tuple[str, torch.Tensor]] = []
         main_grads: list[tuple[str, torch.Tensor]] = []
+        tensor_slots: list[_Slot] = []  # plain tensor attributes: the graphs read them by address
+        tensor_values: list[torch.Tensor] = []
         outside = hooks_outside_graphs(module, routed)
         seen: set[int] = set()
         for prefix, sub in module.named_modules():
@@ -153,9 +161,14 @@ class FrozenModule:
             values.append(sub.training)
             if not skip_attributes(sub):
                 for key, value in attributes.items():
-                    if type(value) in _WATCHED and key not in MODULE_INTERNALS and key != "training" and (id(sub), key) not in runtime:
+                    if key in MODULE_INTERNALS or key == "training" or (id(sub), key) in runtime:
+                        continue
+                    if type(value) in _WATCHED:
                         slots.append(_Slot(attributes, key, f"attribute {key!r} of {where}"))
                         values.append(value)
+                    elif type(value) is torch.Tensor:
+                        tensor_slots.append(_Slot(attributes, key, f"attribute {key!r} of {where}"))
+                        tensor_values.append(value)
             # The graphed module's own hooks run around the graphed forward, unless its class
             # routes the call to the graphs before nn.Module.__call__ runs them.
             if (prefix or routed) and prefix not in outside:
@@ -187,6 +200,12 @@ class FrozenModule:
         self._tables = tuple(s.table for s in slots)
         self._keys = tuple(s.key for s in slots)
         self._values = tuple(values)
+        # Compared by identity only (a tensor's == compares values); a new tensor over the
+        # same memory is taken in on the slow path.
+        self._tensor_slots = tuple(tensor_slots)
+        self._tensor_tables = tuple(s.table for s in tensor_slots)
+        self._tensor_keys = tuple(s.key for s in tensor_slots)
+        self._tensor_values = tuple(tensor_values)
         self._hook_tables = tuple(hook_tables)
         self._hook_names = tuple(hook_names)
         self._hook_kinds = tuple(hook_kinds)
@@ -222,6 +241,7 @@ class FrozenModule:
             # sorted out on the slow path.
             return (
                 tuple(map(_getitem, self._tables, self._keys)) == self._values
+                and all(map(operator.is_, map(_getitem, self._tensor_tables, self._tensor_keys), self._tensor_values))
                 and tuple(map(_data_ptr, self._addressed)) == self._pointers
                 and tuple(map(_data_ptr, self._main_grads)) == self._main_grad_pointers
                 and tuple(map(_requires_grad, self._params)) == self._grads
@@ -262,8 +282,9 @@ class FrozenModule:
     def changes(self) -> list[str]:
         """What changed, taking in the changes that leave the program as it was."""
         found: list[str] = []
-        values = list(self._values)
-        for i, slot in enumerate(self._slots):
+        values = list(self._values) + list(self._tensor_values)
+        by_address = len(self._slots)  # from here on, plain tensor attributes (read by address)
+        for i, slot in enumerate(self._slots + self._tensor_slots):
             now = slot.table.get(slot.key, _GONE)
             then = values[i]
             if now is then:
@@ -272,6 +293,12 @@ class FrozenModule:
                 found.append(f"{slot.what} was deleted")
             elif isinstance(then, torch.nn.Module) or isinstance(now, torch.nn.Module):
                 found.append(f"{slot.what} was replaced by another module")
+            elif i >= by_address and type(now) is torch.Tensor and _same_memory(now, then):
+                values[i] = now  # another tensor over the same memory: the graphs read it alike
+            elif i >= by_address:
+                found.append(f"{slot.what} was replaced by another object ({describe_value(now)}); the graphs "
+                             "read the tensor of the capture by its address. Update that tensor in place "
+                             "(.copy_(...)), or pass the new one as an input")
             elif isinstance(then, torch.Tensor) or isinstance(now, torch.Tensor):
                 found.append(f"{slot.what} was replaced by another object (a new nn.Parameter or tensor, "
                              "load_state_dict(assign=True), or None)")
@@ -313,7 +340,8 @@ class FrozenModule:
             counts = f"{len(captured)} -> {len(now)}" + (", other hooks" if len(now) == len(captured) else "")
             found.append(f"{name} changed ({counts}); {reason}")
         if not found:
-            self._values = tuple(values)
+            self._values = tuple(values[:by_address])
+            self._tensor_values = tuple(values[by_address:])
             self._hook_sizes = sizes
             self._hook_keys = tuple(map(tuple, self._hook_tables))
             self._handles_made = made
@@ -324,6 +352,12 @@ class FrozenModule:
 
 
 _GONE = object()
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` lies where ``b`` does, laid out alike (what a graph reads of it)."""
+    return (a.data_ptr(), a.shape, a.stride(), a.dtype, a.device) == (b.data_ptr(), b.shape, b.stride(), b.dtype,
+                                                                         b.device)
 _SUBMODULE_HOOKS = ("hooks on a submodule run only while a graph is captured, never at replay (hooks on the "
                     "graphed module itself run around the graphed forward)")
 _ROUTED_SUBMODULE_HOOKS = ("hooks on a submodule the layer's graphs run are run only while the graphs are captured, "

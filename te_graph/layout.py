@@ -29,7 +29,6 @@ def describe_value(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-
 def same_constant(now: Any, then: Any) -> bool:
     """Whether a keyword constant equals the one baked into the graph, as the forward would
     see it: the same type (``1``, ``1.0`` and ``True`` are equal in Python, but give a

@@ -191,6 +191,17 @@ class Emb(nn.Module):
         return torch.tanh(self.lin(self.emb(ids)))
 
 
+class Scaled(Net):
+    """Net times a plain tensor attribute (not a buffer): the graphs read it by address."""
+
+    def __init__(self, device):
+        super().__init__()
+        self.scale = torch.full((H,), 0.5, device=device)
+
+    def forward(self, x):
+        return self.body(x) * self.scale
+
+
 class LazyTied(Net):
     """Net whose second linear also reads the first's weight, through a reference kept at
     the first call (a lazy tie)."""
@@ -444,6 +455,9 @@ CHANGED = [
          change=at(1, lambda st: st.layers[1].lin2.register_forward_pre_hook(lambda m, a: (a[0] * 0.5,)))),
     Case("graphed-module-hook", "changed", "adds a forward hook on the graphed module (documented to work)",
          change=at(1, lambda st: st.layers[0].register_forward_hook(lambda m, i, o: o * 2))),
+    Case("tensor-attribute-replaced", "changed", "replaces a plain tensor attribute the forward reads: m.scale = new",
+         build=lambda device: [Scaled(device).to(device) for _ in range(2)],
+         change=at(1, lambda st: setattr(st.layers[0], "scale", st.layers[0].scale * 3))),
     Case("submodule-eval", "changed", "puts one submodule (a dropout) in eval mode, the layer stays in train",
          change=at(1, lambda st: st.layers[0].drop.eval())),
     Case("dropout-p-changed", "changed", "changes a dropout probability (module.drop.p = 0.3)",
