@@ -207,6 +207,7 @@ def hook_handles_made() -> int:
     unmoved counter means no hook was registered since. Where the counter is missing, -1."""
     return getattr(torch.utils.hooks.RemovableHandle, "next_id", -1)
 
+
 _MODULE_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
 

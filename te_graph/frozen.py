@@ -358,6 +358,8 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a`` lies where ``b`` does, laid out alike (what a graph reads of it)."""
     return (a.data_ptr(), a.shape, a.stride(), a.dtype, a.device) == (b.data_ptr(), b.shape, b.stride(), b.dtype,
                                                                          b.device)
+
+
 _SUBMODULE_HOOKS = ("hooks on a submodule run only while a graph is captured, never at replay (hooks on the "
                     "graphed module itself run around the graphed forward)")
 _ROUTED_SUBMODULE_HOOKS = ("hooks on a submodule the layer's graphs run are run only while the graphs are captured, "

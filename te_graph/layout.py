@@ -47,6 +47,7 @@ def same_constant(now: Any, then: Any) -> bool:
     except Exception:  # noqa: BLE001 - a value without a plain equality: changed unless identical
         return False
 
+
 def _structure(spec: Any) -> str:
     """A pytree structure drawn with ``*`` for each leaf: ``(*, [*, *])``."""
     return repr(pytree.tree_unflatten([_Leaf()] * spec.num_leaves, spec))

@@ -32,14 +32,14 @@ Inputs a callable updates in place are watched by :class:`InputUpdates`.
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 
 from . import compat
 
 __all__ = ["ModuleState", "InputUpdates", "SCALAR_TYPES", "MODULE_INTERNALS", "shares_memory", "module_memory",
-           "in_memory_of"]
+           "in_memory_of", "sharing_memory"]
 
 SCALAR_TYPES = (bool, int, float, str, type(None))
 # nn.Module's own bookkeeping attributes (hook dicts, flags); ``training`` is compared
@@ -69,6 +69,13 @@ def module_memory(func: Any) -> tuple[torch.Tensor, ...]:
 def in_memory_of(t: torch.Tensor, tensors: Sequence[torch.Tensor]) -> bool:
     """Whether ``t`` shares its storage with one of ``tensors`` (``module_memory``)."""
     return any(shares_memory(t, m) for m in tensors)
+
+
+def sharing_memory(tensors: Sequence[Optional[torch.Tensor]]) -> frozenset:
+    """The indices of the tensors (None and empty ones left out) whose storage another of
+    them shares."""
+    present = [(i, t) for i, t in enumerate(tensors) if t is not None and t.numel()]
+    return frozenset(i for i, t in present if any(j != i and shares_memory(t, u) for j, u in present))
 
 
 class _Attr:

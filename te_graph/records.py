@@ -157,7 +157,7 @@ def none_default_keywords(call: Callable) -> frozenset:
 class SavedOutputs:
     """The outputs whose backward reads them (autograd saved them): an in-place update of
     one between a call's forward and its backward is refused, as eager autograd refuses it.
-    Found in the last warmup pass (``warmup.saved_outputs``); with a single pass there is
+    Found in the last warmup pass (``warmup._probed_backward``); with a single pass there is
     none to find them in, and every output counts (``probed`` False)."""
 
     indices: tuple[int, ...] = ()  # into the output layout's tensors

@@ -18,7 +18,6 @@ result is one :class:`WarmupRecord` per graph.
 """
 from __future__ import annotations
 
-import collections
 import contextlib
 from typing import Any, Optional, Sequence
 
@@ -33,7 +32,7 @@ from . import compat
 from .te_support import FP8Capture, visited_te_modules
 from .grads import grads_redirected
 from .layout import OutputLayout
-from .module_state import InputUpdates, ModuleState, in_memory_of, module_memory, shares_memory
+from .module_state import InputUpdates, ModuleState, in_memory_of, module_memory, shares_memory, sharing_memory
 from .parameters import ForeignLeaves, StandIns
 from .recompute_rng import BackwardDraws, ForwardDraws, StreamUse
 from .records import GraphSpec, IdleCalls, SavedOutputs, WarmupRecord
@@ -70,7 +69,7 @@ def warm_up(
     idle_seen: dict[int, frozenset] = {}  # parameters the first backward gave no gradient
     fused_seen: dict[int, frozenset] = {}
     fed_seen: dict[int, tuple] = {}  # per output, the outputs whose backward feeds it (outputs_fed)
-    saved_seen: dict[int, SavedOutputs] = {}  # the outputs the backward reads (saved_outputs)
+    saved_seen: dict[int, SavedOutputs] = {}  # the outputs the backward reads (_probed_backward)
     idle_calls_seen: dict[int, Optional[IdleCalls]] = {}  # inputs_reached
     idle_outputs_seen: dict[int, tuple] = {}  # outputs_reaching_inputs
     draws: dict[int, tuple[Optional[StreamUse], Optional[StreamUse]]] = {}
@@ -334,7 +333,7 @@ def inputs_reached(tensors: Sequence[torch.Tensor], inputs: Sequence[torch.Tenso
             if o.grad_fn is None:
                 return None
             starts.append(o.grad_fn)
-    walked = _inputs_only(starts, positions, cross_functions=True)
+    walked = _inputs_reached_from(starts, positions, cross_functions=True)
     if walked is None:
         return None
     reached, nodes = walked
@@ -358,20 +357,13 @@ def outputs_reaching_inputs(tensors: Sequence[torch.Tensor], inputs: Sequence[to
     found = []
     for index, o in enumerate(tensors):
         if o.requires_grad and o.grad_fn is not None and index not in shared:
-            walked = _inputs_only([o.grad_fn], positions, cross_functions=False)
+            walked = _inputs_reached_from([o.grad_fn], positions, cross_functions=False)
             if walked is not None and walked[0]:
                 found.append((index, walked[0]))
     return tuple(found)
 
 
-def sharing_memory(tensors: Sequence[Optional[torch.Tensor]]) -> frozenset:
-    """The indices of the tensors (None: left out) whose memory another of them shares."""
-    storages = collections.Counter(o.untyped_storage().data_ptr() for o in tensors if o is not None and o.numel())
-    return frozenset(i for i, o in enumerate(tensors)
-                     if o is not None and o.numel() and storages[o.untyped_storage().data_ptr()] > 1)
-
-
-def _inputs_only(starts: list, positions: dict, cross_functions: bool) -> Optional[tuple[frozenset, set]]:
+def _inputs_reached_from(starts: list, positions: dict, cross_functions: bool) -> Optional[tuple[frozenset, set]]:
     """The inputs (``positions``: tensor id to index) a backward from the nodes ``starts``
     reaches, and the nodes on the way; None where it reaches another leaf, or, unless
     ``cross_functions``, a custom Function's node."""

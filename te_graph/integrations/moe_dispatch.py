@@ -60,12 +60,17 @@ from . import megatron
 from .moe_experts import DroplessExperts, padded_layout
 
 __all__ = ["DroplessDispatch", "ExpertExchange", "GroupCounts", "PaddedDispatch", "agreed_refusal", "block_rows", "capacity_shape",
-           "dispatch_refusal", "dispatch_samples", "distinct_blocks", "expert_exchange", "functions_refusal",
+           "dispatch_refusal", "dispatch_samples", "distinct_blocks", "expert_exchange", "expert_parallel_size", "functions_refusal",
            "module_of"]
 
 _LAYER_METHODS = ("dispatch", "routed_experts_compute", "combine", "postprocess")
 _WHOLE_FORWARD = ["route", "expert_compute", "postprocess"]  # MoELayer.fwd_execution_map, one call
 _FUNCTIONS = ("permute", "unpermute", "all_to_all")  # the dispatcher's own, from the module of its class
+
+
+def expert_parallel_size(dispatcher: Any) -> int:
+    """The ranks the dispatcher's experts are split over (1 for a dispatcher without ``ep_size``)."""
+    return int(getattr(dispatcher, "ep_size", 1))
 
 
 def dispatch_refusal(layer: torch.nn.Module) -> Optional[str]:
@@ -131,7 +136,7 @@ class ExpertExchange:
     rank, nothing travels."""
 
     def __init__(self, dispatcher: Any, all_to_all: Callable):
-        self.ranks = int(getattr(dispatcher, "ep_size", 1))
+        self.ranks = expert_parallel_size(dispatcher)
         self.local_experts = int(dispatcher.num_local_experts)
         self.group = getattr(dispatcher, "ep_group", None)
         self.use_nccl_stream = bool(getattr(dispatcher, "use_nccl_stream", False))
@@ -205,7 +210,7 @@ def agreed_refusal(layer: torch.nn.Module, refusal: Optional[str]) -> Optional[s
     must take the same span, since the dispatch span's graphs exchange tokens by collectives.
     One all-reduce over the group, at graphing; none with one rank."""
     dispatcher = layer.token_dispatcher
-    if int(getattr(dispatcher, "ep_size", 1)) == 1 or not torch.distributed.is_initialized():
+    if expert_parallel_size(dispatcher) == 1 or not torch.distributed.is_initialized():
         return refusal  # (without a process group no rank exchanges tokens at all)
     flag = torch.tensor([int(refusal is not None)], device=next(layer.experts.parameters()).device)
     torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=dispatcher.ep_group)
@@ -263,7 +268,7 @@ def dispatch_samples(layer: torch.nn.Module, tokens: int, dtypes: tuple, capacit
     with torch.no_grad():
         permuted, probs, mapping, *_ = module_of(dispatcher).permute(
             hidden, routing_map, probs=dense_probs, num_out_tokens=tokens * topk, fused=config.moe_permute_fusion)
-    ranks = int(getattr(dispatcher, "ep_size", 1))
+    ranks = expert_parallel_size(dispatcher)
     return [(permuted.detach().requires_grad_(), probs.detach().requires_grad_(), routing_map, mapping,
              capacity_shape(block_rows(c, ranks), device)) for c in capacities]
 

@@ -367,7 +367,7 @@ def _span_of(layer: torch.nn.Module, span: str, tokens: Optional[int], largest_f
     """The span graphed for this layer and its capacities, or the refusal (ValueError) of
     what was asked."""
     from .moe_dispatch import (  # noqa: PLC0415  (it builds on this module)
-        agreed_refusal, block_rows, dispatch_refusal, distinct_blocks, functions_refusal)
+        agreed_refusal, block_rows, dispatch_refusal, distinct_blocks, expert_parallel_size, functions_refusal)
 
     _check_layer(layer)
     if span == "experts":
@@ -380,7 +380,7 @@ def _span_of(layer: torch.nn.Module, span: str, tokens: Optional[int], largest_f
         # capacity whose blocks (rows per expert per rank of the expert-parallel group) are
         # smaller never holds a call (and no sample routing fits it). Left out, not refused.
         config = layer.config
-        ranks = int(getattr(layer.token_dispatcher, "ep_size", 1))
+        ranks = expert_parallel_size(layer.token_dispatcher)
         even = math.ceil(tokens * config.moe_router_topk / config.num_moe_experts)
         fitting = [c for c in largest_first if block_rows(c, ranks) >= even]
         share = (f"the even share of {even} rows per expert ({tokens} tokens, top-{config.moe_router_topk} of "
