@@ -557,7 +557,8 @@ def fresh_process_env(ranks: int = 1) -> dict:
     return env
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 nobody listens on now (for a process group's rendezvous)."""
     import socket
 
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -582,7 +583,7 @@ def run_train_gpt(argv: list[str], tmp_path: Path, world: int = WORLD, timeout_s
     """``examples/train_gpt.py``'s ``main(argv)`` on ``world`` processes launched the way
     torchrun launches them; returns each rank's summary."""
     context = mp.start_processes(
-        _train_gpt_rank, args=(world, _free_port(), argv, str(tmp_path), timeout_s),
+        _train_gpt_rank, args=(world, free_port(), argv, str(tmp_path), timeout_s),
         nprocs=world, join=False, start_method="spawn",
     )
     deadline = time.monotonic() + timeout_s + 10

@@ -9,21 +9,16 @@ from __future__ import annotations
 import datetime
 import os
 import re
-import socket
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from tests.multi_gpu_helpers import free_port
+
 WORLD = 2
 SEED = 4321
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _region(x, scale, *, w, tracker, log):
@@ -122,7 +117,7 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
 
 
 def test_distribute_saved_activations_on_two_gloo_ranks(tmp_path):
-    mp.spawn(_rank_main, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    mp.spawn(_rank_main, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
     for rank, result in enumerate(results):

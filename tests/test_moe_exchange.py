@@ -16,12 +16,13 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import socket
 import types
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from tests.multi_gpu_helpers import free_port
 
 WORLD, EXPERTS, HIDDEN, TOKENS, TOPK = 2, 4, 3, 7, 2
 LOCAL = EXPERTS // WORLD
@@ -133,14 +134,8 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_blocks_exchanged_over_two_ranks_compute_each_token_with_its_experts(tmp_path):
-    mp.spawn(_rank_main, args=(_free_port(), str(tmp_path)), nprocs=WORLD)
+    mp.spawn(_rank_main, args=(free_port(), str(tmp_path)), nprocs=WORLD)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
     # Every rank holds the whole (rank, expert) matrix of counts (its own row its own counts)
     # and every rank's tokens and permuted tokens.
