@@ -14,7 +14,7 @@ import torch
 import rng
 
 from . import checks
-from .arguments import Samples, call_form, largest_first, make_specs, pool_handle, sample_sets
+from .arguments import Samples, call_form, is_mempool, largest_first, make_specs, pool_handle, sample_sets
 from .capture import CaptureOptions, Prepared, prepare_graphs
 from .frozen import fingerprints
 from .te_support import FP8Options, fp8_options, fp8_replay, is_te_module
@@ -163,13 +163,18 @@ def make_graphed_callables(
 
     # 4. Warm up and capture (restores everything it changes if it fails).
     tracker = get_rng_state_tracker() if get_rng_state_tracker is not None else rng.process_tracker()
-    if pool is None and not options.eager_replay:
-        pool = torch.cuda.graph_pool_handle()
+    lease = None
+    if not options.eager_replay:
+        given = pool is not None
+        if pool is None:
+            pool = torch.cuda.graph_pool_handle()
+        if not is_mempool(options.pool):
+            lease = RESOURCES.pool_lease(pool, given=given and graphed_callable_of(options.pool) is None)
     first = largest_first(spec_sets)
     prepared = prepare_graphs([spec_sets[i] for i in first], schedule.steps, _capture_options(options, pool, tracker, fp8))
 
     # 5. Wrap: one graphed callable per graph; modules keep their identity.
-    graphed = _wrap(spec_sets, _in_given_order(prepared, first), options, pool, fp8)
+    graphed = _wrap(spec_sets, _in_given_order(prepared, first), options, pool, fp8, lease)
     if options.order is not None:
         return tuple(graphed)
     results = []
@@ -219,7 +224,7 @@ def _capture_options(options: GraphOptions, pool: Any, tracker: Any, fp8: FP8Opt
     return CaptureOptions(
         num_warmup_iters=options.num_warmup_iters,
         allow_unused_input=options.allow_unused_input,
-        reuse_buffers=options.reuse_graph_input_output_buffers and not options.eager_replay,
+        reuse_buffers=options.reuse_graph_input_output_buffers,
         chain_grads=options.order is None,
         has_order=options.order is not None,
         pool=pool,
@@ -243,7 +248,7 @@ def _in_given_order(prepared: Prepared, order: list[int]) -> Prepared:
 
 
 def _wrap(spec_sets: list[list[GraphSpec]], prepared: Prepared, options: GraphOptions, pool: Any,
-          fp8: FP8Options) -> list[GraphedCallable]:
+          fp8: FP8Options, lease: Any) -> list[GraphedCallable]:
     """One GraphedCallable per graph, holding a runner per sample set."""
     replay = ReplayOptions(
         always_autograd=options.accumulate_grads_in_graph is False,
@@ -279,12 +284,13 @@ def _wrap(spec_sets: list[list[GraphSpec]], prepared: Prepared, options: GraphOp
         if prepared.captured is None:
             warmup = prepared.warmups[variant][index]
             checks_ = fp8_replay(spec.fp8, fp8, warmup.te_modules, spec.has_te, graphs=False)
-            return EagerRunner(spec, warmup, checks_, clock, variant, book, replay, slot(variant, index))
+            return EagerRunner(spec, warmup, checks_, clock, variant, book, replay, slot(variant, index),
+                               prepared.plans[variant][index].releases_buffers)
         return GraphRunner(spec, prepared.captured[variant][index], replay, clock, variant, book, slot(variant, index))
 
     return [
         GraphedCallable([runner(v, i) for v in range(len(spec_sets))], spec_sets[0][i], pool, frozen[i],
-                        options.unseen_shape, order)
+                        options.unseen_shape, order, lease)
         for i in range(len(spec_sets[0]))
     ]
 

@@ -19,7 +19,7 @@ from .records import GraphSpec, SampleMemory, make_spec
 from .resources import RESOURCES
 from .schedule import Schedule
 
-__all__ = ["Samples", "call_form", "sample_sets", "make_specs", "pool_handle", "largest_first"]
+__all__ = ["Samples", "call_form", "sample_sets", "make_specs", "pool_handle", "largest_first", "is_mempool"]
 
 
 @dataclass(frozen=True)
@@ -219,7 +219,7 @@ def _size(specs: list[GraphSpec]) -> int:
 def _looks_like_pool(value: Any) -> bool:
     return (
         _is_handle(value)
-        or _is_mempool(value)
+        or is_mempool(value)
         or graphed_callable_of(value) is not None
     )
 
@@ -228,7 +228,8 @@ def _is_handle(value: Any) -> bool:
     return isinstance(value, tuple) and len(value) == 2 and all(isinstance(v, int) for v in value)
 
 
-def _is_mempool(value: Any) -> bool:
+def is_mempool(value: Any) -> bool:
+    """Whether ``value`` is a ``torch.cuda.MemPool`` (torch >= 2.5; absent before)."""
     mempool = getattr(torch.cuda, "MemPool", None)
     return mempool is not None and isinstance(value, mempool)
 
@@ -237,7 +238,7 @@ def pool_handle(pool: Any, eager_replay: bool) -> Optional[tuple[int, int]]:
     """A capture pool handle from anything ``pool=`` accepts (None in eager replay)."""
     if pool is None or _is_handle(pool):
         return None if eager_replay else pool
-    if _is_mempool(pool):
+    if is_mempool(pool):
         return None if eager_replay else pool.id
     graphed = graphed_callable_of(pool)
     if graphed is not None:

@@ -343,6 +343,7 @@ def _record(spec: GraphSpec, forward: _Forward, bwd_graph, grad_outputs, grad_in
         saved=warmup.saved,
         idle_calls=warmup.idle_calls,
         idle_outputs=warmup.idle_outputs,
+        borrowed_outputs=plan.releases_buffers,
     )
 
 

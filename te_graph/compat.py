@@ -14,6 +14,7 @@ import warnings
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.utils.dlpack
 
 import rng
 
@@ -25,6 +26,7 @@ __all__ = [
     "register_generators",
     "end_generator_capture",
     "weak_alias",
+    "owning_alias",
     "tensor_hooks",
     "post_accumulate_hooks",
     "HAS_POST_ACCUMULATE_HOOKS",
@@ -123,7 +125,8 @@ def end_generator_capture(generators: Sequence[torch.Generator]) -> None:
 # -- memory ---------------------------------------------------------------------------------
 def weak_alias(t: torch.Tensor) -> torch.Tensor:
     """A tensor viewing ``t``'s memory without keeping it allocated (the allocator may hand
-    the memory to later allocations; the alias sees whatever is written there).
+    the memory to later allocations; the alias sees whatever is written there). Only for
+    te_graph's own buffers, never handed out: see ``owning_alias``.
 
     Uses ``torch._C._construct_storage_from_data_pointer``, private, as torch's own CUDA
     graph trees do (torch/_inductor/cudagraph_trees.py) for the same purpose; torch has no
@@ -132,7 +135,29 @@ def weak_alias(t: torch.Tensor) -> torch.Tensor:
     storage = torch._C._construct_storage_from_data_pointer(
         t.untyped_storage().data_ptr(), t.device, t.untyped_storage().nbytes()
     )
-    alias = torch.empty((), dtype=t.dtype, device=t.device)
+    return _on_storage(t, storage)
+
+
+def owning_alias(t: torch.Tensor) -> torch.Tensor:
+    """A tensor viewing ``t``'s memory through a storage of its own that keeps ``t``'s
+    storage allocated while any tensor on it lives: poisoning it (``poison_storage``) leaves
+    ``t`` readable, and it stays valid memory after ``t``'s owner (a graph) is freed.
+
+    The storage comes from a DLPack round trip (public API): the capsule holds a reference
+    to ``t``'s storage and the imported storage releases it when it dies. The storage is
+    exported as bytes, so every dtype (float8 included) takes the same path.
+    """
+    storage = t.untyped_storage()
+    if storage.nbytes() == 0:
+        return t.detach()
+    as_bytes = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+    imported = torch.utils.dlpack.from_dlpack(torch.utils.dlpack.to_dlpack(as_bytes))
+    return _on_storage(t, imported.untyped_storage())
+
+
+def _on_storage(t: torch.Tensor, storage: Any) -> torch.Tensor:
+    """``t``'s dtype, layout and ``requires_grad`` on ``storage``."""
+    alias = torch.empty(0, dtype=t.dtype, device=t.device)
     alias.set_(storage, t.storage_offset(), t.shape, t.stride())
     return alias.requires_grad_(t.requires_grad)
 

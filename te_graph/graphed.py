@@ -26,7 +26,7 @@ class GraphedCallable:
     call it like the original."""
 
     def __init__(self, runners: list[Runner], spec: GraphSpec, pool: Any, fingerprint: Fingerprint,
-                 unseen_shape: str = "error", replay_order: Any = None):
+                 unseen_shape: str = "error", replay_order: Any = None, pool_lease: Any = None):
         self._runners = {r.shape: r for r in runners}
         # One shape and no eager fallback: the call's checks alone pick the graph.
         self._single = runners[0] if len(runners) == 1 and unseen_shape == "error" else None
@@ -45,6 +45,7 @@ class GraphedCallable:
         self._pops_first_microbatch = (spec.has_te or spec.routed) and "is_first_microbatch" not in spec.layout.kw_keys
         self.pool = pool
         self.replay_order = replay_order  # its pool's replay.ReplayOrder, for calls that share the pool
+        self.pool_lease = pool_lease  # resources.PoolLease: its pool stays capturable into while it lives
         self.__name__ = spec.name
         RESOURCES.add_callable(self)
 
@@ -123,6 +124,7 @@ class GraphedCallable:
         self._runners = {}
         self._single = None
         self._reset = True
+        self.pool_lease = None
         module = self._module
         if module is not None and module.__dict__.get("forward") is self:
             for name in ("forward", "backward_dw", "reset"):

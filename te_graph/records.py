@@ -210,7 +210,7 @@ class CapturedGraph:
     fwd_graph: Any  # torch.cuda.CUDAGraph
     bwd_graph: Any  # None for a forward-only graph
     static_inputs: tuple[torch.Tensor, ...]  # its own, or taken over from a buffer donor
-    output: OutputLayout  # static outputs (non-owning aliases once passed on to another graph)
+    output: OutputLayout  # static outputs (non-owning aliases where ``borrowed_outputs``)
     static_grad_outputs: tuple  # per output: its incoming grad's buffer, None if not differentiable
     static_grad_inputs: tuple  # per input: its grad's buffer, None where it takes no grad
     param_grads: Optional[ParamGrads]
@@ -228,3 +228,6 @@ class CapturedGraph:
     saved: SavedOutputs = SavedOutputs()  # WarmupRecord.saved
     idle_calls: Optional[IdleCalls] = None  # WarmupRecord.idle_calls
     idle_outputs: tuple = ()  # WarmupRecord.idle_outputs
+    # Its outputs' and input grads' memory is handed on to later graphs once its backward
+    # ran (``reuse_graph_input_output_buffers``): the static tensors own none of it.
+    borrowed_outputs: bool = False

@@ -566,7 +566,7 @@ class GraphRunner(Runner):
         self.grad_output_slots = tuple(None if g is None else _Slot(g) for g in graph.static_grad_outputs)
         self.output = graph.output
         self.static_outputs = graph.output.tensors
-        self.handout = GraphOutputs(self.name, self.static_outputs, spec)
+        self.handout = GraphOutputs(self.name, self.static_outputs, spec, graph.borrowed_outputs)
         self._take_outputs(self.static_outputs, graph.fed)
         self.always_autograd = options.always_autograd
         self.clone_param_grads = options.clone_param_grads
@@ -660,6 +660,8 @@ class GraphRunner(Runner):
             p.grad_added_to_main_grad = True  # as Transformer Engine's backward sets it
         graph.fp8.after_backward(invocation.fp8_first)
         self._after_backward()
+        if graph.borrowed_outputs:
+            self.handout.after_reuse()
         input_grads = tuple(
             None if g is None else (g.clone() if copy else g.detach())
             for g, copy in zip(graph.static_grad_inputs, invocation.copy_grads)
@@ -679,6 +681,7 @@ class GraphRunner(Runner):
                 captured.reset()
         if self.graph.wgrad is not None:
             self.graph.wgrad.reset()
+        self.handout.reset()
         self.graph = None
         self.handout = None
         self.wgrad, self.has_wgrad = None, False
@@ -692,7 +695,7 @@ class EagerRunner(Runner):
 
     def __init__(self, spec: GraphSpec, warmup: WarmupRecord, fp8: Any, clock: Any = NO_CLOCK, variant: int = 0,
                  wgrad_book: Optional[WgradBook] = None, options: ReplayOptions = ReplayOptions(),
-                 slot: Optional[OrderSlot] = None):
+                 slot: Optional[OrderSlot] = None, borrowed: bool = False):
         super().__init__(spec, clock, variant, warmup.updated, wgrad_book, warmup.wgrad, slot, warmup.saved,
                          warmup.idle_calls, warmup.idle_outputs)
         self.spec = spec
@@ -712,6 +715,7 @@ class EagerRunner(Runner):
         if spec.needs_backward:  # unrouted, the real parameters take their gradients in the nested backward
             self._watch(tuple(used))
         self.handout = EagerOutputs(self.name, spec)
+        self.borrowed = borrowed  # the graphs would hand its outputs' memory on after its backward
 
     def through_autograd(self) -> bool:
         # Otherwise the real module runs: its parameters' hooks see autograd as usual.
@@ -759,16 +763,22 @@ class EagerRunner(Runner):
             found = iter(torch.autograd.grad(outputs, wanted, grads_, retain_graph=self.retains_graph,
                                              allow_unused=True) if pairs and wanted else ())
             self._after_backward()
+            self._reused()
             return tuple(next(found) if t.requires_grad else None for t in self.static_inputs) + (None,) * len(self.anchor)
         stand_ins = [p for p in routed if p is not None]
         with grads_redirected(self.spec.grad_inputs + tuple(stand_ins)):
             if pairs:
                 torch.autograd.backward(outputs, grads_, retain_graph=self.retains_graph)
             self._after_backward()
+            self._reused()
             input_grads = tuple(t.grad for t in self.static_inputs)
             if invocation.through_autograd:
                 return input_grads + tuple(None if s is None else s.grad for s in routed)
             return input_grads + (None,) * len(self.anchor)
+
+    def _reused(self) -> None:
+        if self.borrowed:
+            self.handout.after_reuse()
 
     def _run_wgrad(self) -> None:
         check_grads_as_captured(self.name, self.wgrad, self.spec.params)  # as the graphs check
@@ -788,21 +798,33 @@ _OVERWRITTEN = (
     "outputs into the same memory at every replay). Clone an output you keep past the graph's "
     "next call (y.clone()), or capture one graph per microbatch (order=...)."
 )
+_REUSED = (
+    "{name}: this output lived in a buffer that other graphs reuse once its backward has run "
+    "(reuse_graph_input_output_buffers=True), and that backward ran (or the graphs were reset): "
+    "its memory holds other values now. Clone an output you keep past its backward (y.clone()), "
+    "or graph without reuse_graph_input_output_buffers."
+)
 
 
 class GraphOutputs:
-    """The tensors a graph's calls hand out, and the check that makes an output overwritten
-    by a later replay raise when it is read, as CUDA Graph Trees do (``compat.poison_storage``).
+    """The tensors a graph's calls hand out: valid memory while the caller holds them, and
+    raising when read once a later replay may have overwritten them, as CUDA Graph Trees do
+    (``compat.poison_storage``).
 
-    The outputs handed out view the graph's static outputs through storages of their own
-    (``compat.weak_alias``); before a replay, one whose storage someone still holds (the
-    caller kept the output, or a view of it) is poisoned and a fresh alias takes its place.
-    The common call pays one use-count read per output. Outputs that are the module's own
-    memory (a view of a parameter) are never overwritten and never poisoned. Where torch
-    cannot poison a storage (its CPU builds) the static outputs are handed out as they are.
+    Each output handed out views its static output through a storage of its own that keeps
+    the static memory allocated (``compat.owning_alias``), so an output held past ``reset()``,
+    past the callable's collection or past ``torch.cuda.empty_cache()`` still reads its
+    values. Before a replay, one whose storage someone still holds (the caller kept the
+    output, or a view of it) is poisoned and a fresh alias takes its place; the common call
+    pays one use-count read per output. Static outputs that other graphs reuse once this
+    graph's backward ran (``borrowed``: they own no memory) are poisoned where held at that
+    backward, at ``reset()`` and when this object is collected, since the memory is then
+    other tensors'. Outputs that are the module's own memory (a view of a parameter) are
+    never overwritten and never poisoned. Where torch cannot poison a storage (its CPU
+    builds) the static outputs are handed out as they are.
     """
 
-    def __init__(self, name: str, static: tuple[torch.Tensor, ...], spec: GraphSpec):
+    def __init__(self, name: str, static: tuple[torch.Tensor, ...], spec: GraphSpec, borrowed: bool = False):
         self.name = name
         own = module_memory(spec.func)  # never overwritten: stays right after any number of calls
         self._static = static
@@ -810,36 +832,70 @@ class GraphOutputs:
             compat.CAN_POISON and type(o) is torch.Tensor and o.device.type == "cuda" and not in_memory_of(o, own)
             for o in static
         )
-        self._track(tuple(self._alias(o, guarded) for o, guarded in zip(static, self._guarded)))
+        self._held = _Held()
+        self._track(tuple(map(self._alias, static, self._guarded)))
+        if borrowed and any(self._guarded):
+            # Collected with its graphs: the memory goes back to the pool's next owner.
+            self._finalizer = weakref.finalize(self, self._held.poison, _REUSED.format(name=name))
 
     def _track(self, current: tuple[torch.Tensor, ...]) -> None:
         """Hand out ``current`` from now on; its storages' use counts, as they are while
         nobody else holds them, are the baseline a held output exceeds."""
         self._current = current
-        self._storages = tuple(t.untyped_storage() if g else None for t, g in zip(current, self._guarded))
-        self._baseline = tuple(compat.use_count(s) if s is not None else 0 for s in self._storages)
+        self._held.track(tuple(t.untyped_storage() if g else None for t, g in zip(current, self._guarded)))
 
     @staticmethod
     def _alias(t: torch.Tensor, guarded: bool) -> torch.Tensor:
-        return compat.weak_alias(t) if guarded else t
+        return compat.owning_alias(t) if guarded else t
 
     def before_replay(self) -> None:
         """Poison each output of the last call that is still held, before the replay
         overwrites it."""
-        held = [
-            i for i, s in enumerate(self._storages)
-            if s is not None and compat.use_count(s) > self._baseline[i]
-        ]
+        self._retire(_OVERWRITTEN)
+
+    def after_reuse(self) -> None:
+        """This graph's backward ran and its borrowed static outputs are other graphs' now:
+        poison each output still held."""
+        self._retire(_REUSED)
+
+    def _retire(self, message: str) -> None:
+        held = self._held.held()
         if not held:
             return
         current = list(self._current)
         for i in held:
-            compat.poison_storage(self._storages[i], _OVERWRITTEN.format(name=self.name))
+            compat.poison_storage(self._held.storages[i], message.format(name=self.name))
             current[i] = self._alias(self._static[i], True)
         self._track(tuple(current))
 
+    def reset(self) -> None:
+        """The graphs are freed: outputs held on borrowed memory are poisoned (on owned
+        memory they keep it, and their values)."""
+        finalizer = getattr(self, "_finalizer", None)
+        if finalizer is not None:
+            finalizer()
+
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return tuple(t.detach() for t in self._current)
+
+
+class _Held:
+    """The storages of the outputs handed out last and their use counts while only
+    te_graph holds them: a higher count means the caller holds that output."""
+
+    __slots__ = ("storages", "baseline")
+
+    def track(self, storages: tuple) -> None:
+        self.storages = storages
+        self.baseline = tuple(compat.use_count(s) if s is not None else 0 for s in storages)
+
+    def held(self) -> list[int]:
+        return [i for i, s in enumerate(self.storages) if s is not None and compat.use_count(s) > self.baseline[i]]
+
+    def poison(self, message: str) -> None:
+        for i in self.held():
+            compat.poison_storage(self.storages[i], message)
+        self.storages = ()
 
 
 class EagerOutputs:
@@ -861,10 +917,18 @@ class EagerOutputs:
         return detached
 
     def before_call(self) -> None:
+        self._retire(_OVERWRITTEN)
+
+    def after_reuse(self) -> None:
+        """Where the graphs would hand this call's output memory on after its backward
+        (``GraphOutputs.after_reuse``)."""
+        self._retire(_REUSED)
+
+    def _retire(self, message: str) -> None:
         for ref in self._held:
             t = ref()
             if t is not None and not in_memory_of(t, self._own):
-                compat.poison_tensor(t, _OVERWRITTEN.format(name=self.name))
+                compat.poison_tensor(t, message.format(name=self.name))
         self._held = []
 
 

@@ -14,19 +14,63 @@
   can free every graph (teardown before ``destroy_process_group``).
 * **The replay order of each memory pool** (``replay.ReplayOrder``), held weakly by the
   pool's handle: the calls that capture into one pool share it.
+* **A lease on each memory pool handle** (:class:`PoolLease`): held by the graphed
+  callables captured into the pool, and for the process by a handle the user passed, so
+  that the handle can be captured into again after every graph of it was reset while
+  tensors in it are still held.
 
 ``RESOURCES`` is the one instance; ``RESOURCES.teardown()`` (what ``te_graph.reset()``
 calls) frees the graphs and forgets the rest.
 """
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import Any, Iterator, Protocol
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["ProcessResources", "RESOURCES"]
+from . import compat
+
+__all__ = ["ProcessResources", "RESOURCES", "PoolLease"]
+
+
+class PoolLease:
+    """One use of a graph memory pool, held by an empty graph captured into it.
+
+    torch (checked on 2.11) keeps a pool while tensors in it live, but refuses to capture
+    into it again once every graph using it is gone ("it->second->use_count > 0 INTERNAL
+    ASSERT FAILED" in the device and the pinned-host caching allocators; torch's own
+    ``graph_pool_handle`` docs assume graphs outlive their outputs). Outputs te_graph hands
+    out keep their memory after ``reset()``, so a handle is kept in use as long as it can be
+    named again.
+    """
+
+    __slots__ = ("handle", "_graph", "__weakref__")
+
+    def __init__(self, handle: tuple[int, int], stream: "torch.cuda.Stream"):
+        self.handle = handle
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.stream(stream), warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "The CUDA Graph is empty"
+                graph.capture_begin(pool=handle)
+                graph.capture_end()
+        except RuntimeError as error:
+            compat.end_generator_capture(())  # capture_begin put the default generator in capture mode
+            raise RuntimeError(
+                f"make_graphed_callables: pool={handle} names a memory pool whose graphs were all freed "
+                "while tensors in it are still alive (pool= a graphed callable that was reset, or a handle "
+                "passed again after te_graph.reset() with no argument); torch cannot capture into such a "
+                "pool again. Pass a new te_graph.graph_pool_handle()."
+            ) from error
+        self._graph = graph
+
+    def release(self) -> None:
+        if self._graph is not None:
+            self._graph.reset()
+            self._graph = None
 
 
 class _Graphed(Protocol):
@@ -45,6 +89,8 @@ class ProcessResources:
         self._callables: "weakref.WeakSet[Any]" = weakref.WeakSet()
         self._amax_reductions: dict[int, Any] = {}
         self._replay_orders: "weakref.WeakValueDictionary[Any, Any]" = weakref.WeakValueDictionary()
+        self._leases: "weakref.WeakValueDictionary[Any, PoolLease]" = weakref.WeakValueDictionary()
+        self._given_pools: dict[Any, PoolLease] = {}  # handles the user passed: kept until teardown
 
     def replay_order(self, pool: Any) -> Any:
         """The ``replay.ReplayOrder`` of the graphs captured into ``pool`` (a pool handle)."""
@@ -54,6 +100,16 @@ class ProcessResources:
 
             order = self._replay_orders[pool] = ReplayOrder()
         return order
+
+    def pool_lease(self, handle: tuple[int, int], given: bool) -> PoolLease:
+        """The lease on pool ``handle`` (``PoolLease``), kept for the process where the user
+        passed the handle (``given``) and can pass it again."""
+        lease = self._leases.get(handle)
+        if lease is None:
+            lease = self._leases[handle] = PoolLease(handle, self.capture_stream())
+        if given:
+            self._given_pools[handle] = lease
+        return lease
 
     def capture_stream(self) -> "torch.cuda.Stream":
         """The side stream of the current device for every warmup and capture."""
@@ -103,6 +159,10 @@ class ProcessResources:
             reduction.reset()
         self._amax_reductions = {}
         self._replay_orders = weakref.WeakValueDictionary()
+        for lease in self._given_pools.values():
+            lease.release()
+        self._given_pools = {}
+        self._leases = weakref.WeakValueDictionary()
         self._callables = weakref.WeakSet()
         self._streams = {}
         self._grad_buffers = WeakIdKeyDictionary()
