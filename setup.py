@@ -1,5 +1,5 @@
 """Packaging for te-graph: the `te_graph`, `checkpointing` and `rng` packages."""
-from setuptools import setup
+from setuptools import find_packages, setup
 
 setup(
     name="te-graph",
@@ -10,7 +10,7 @@ setup(
     ),
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
-    packages=["te_graph", "te_graph.integrations", "checkpointing", "rng"],
+    packages=find_packages(include=["te_graph", "te_graph.*", "checkpointing", "rng"]),
     python_requires=">=3.10",
     install_requires=["torch>=2.4"],
     extras_require={

@@ -12,10 +12,10 @@ dispatcher, aux-loss load balancing), trained through Megatron's schedule and DD
 * ``te_graph buckets``: as ``te_graph partial``, and the routed experts in graphs too, one per
   token capacity (1, 1.25, 1.5 and 2 times the even share per expert; a call beyond runs the
   padded program eagerly at a capacity rounded up to 128 rows, or with ``eager overflow``
-  the experts' own forward): ``te_graph.integrations.moe_experts``. Dropless: nothing is dropped.
+  the experts' own forward): ``te_graph.integrations.megatron.moe_experts``. Dropless: nothing is dropped.
   The graphs hold the dispatch around the experts too (the padding, the gather, with expert
   parallelism the alltoalls of padded blocks, and the un-permutation,
-  ``te_graph.integrations.moe_dispatch``); ``te_graph buckets experts only`` graphs the
+  ``te_graph.integrations.megatron.moe_dispatch``); ``te_graph buckets experts only`` graphs the
   experts alone, behind megatron-core's eager dispatch.
   ``te_graph buckets 4x`` adds 3 and 4 times (with top-2 of 8 experts, 4 times the even
   share is every token: no call runs eagerly), for a larger pool.

@@ -75,7 +75,7 @@ from _report import record_failure  # noqa: E402
 import rng  # noqa: E402
 import te_graph  # noqa: E402
 from examples.gpt import GPTBlock  # noqa: E402
-from te_graph.schedule import plan_schedule  # noqa: E402
+from te_graph.planning.schedule import plan_schedule  # noqa: E402
 
 SEED = 1234
 

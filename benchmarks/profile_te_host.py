@@ -48,7 +48,7 @@ import torch  # noqa: E402
 
 import bench_te  # noqa: E402
 from _targets import TE_GRAPH, WHOLE_STEP_GRAPH  # noqa: E402
-from te_graph.graphed import graphed_callable_of  # noqa: E402
+from te_graph.resources import graphed_callable_of  # noqa: E402
 
 
 def _median_ms(step, inputs: Sequence[torch.Tensor], iters: int) -> float:
@@ -116,12 +116,12 @@ def _bare_replays(graphed: Sequence[torch.nn.Module]) -> Callable[[torch.Tensor]
 # inclusive of what it calls, so the rows nest (the call holds the check and the forward).
 _FORWARD, _BACKWARD = "forward call (all of it)", "backward node (all of it)"
 _TIMED = (
-    ("te_graph.graphed", "GraphedCallable.__call__", _FORWARD),
-    ("te_graph.frozen", "Fingerprint.check", "  fingerprint check of what the graph froze"),
-    ("te_graph.replay", "GraphRunner.through_autograd", "  in-graph or autograd parameter gradients"),
-    ("te_graph.replay", "GraphRunner.forward", "  runner forward"),
-    ("te_graph.replay", "Runner._copy_inputs", "    input copies into the static buffers"),
-    ("te_graph.replay", "_Replay.backward", _BACKWARD),
+    ("te_graph.replay.graphed", "GraphedCallable.__call__", _FORWARD),
+    ("te_graph.guards.frozen", "Fingerprint.check", "  fingerprint check of what the graph froze"),
+    ("te_graph.replay.graph_runner", "GraphRunner.through_autograd", "  in-graph or autograd parameter gradients"),
+    ("te_graph.replay.graph_runner", "GraphRunner.forward", "  runner forward"),
+    ("te_graph.replay.runner", "Runner._copy_inputs", "    input copies into the static buffers"),
+    ("te_graph.replay.function", "_Replay.backward", _BACKWARD),
     ("te_graph.grads", "ParamGrads.prepare_in_graph", "  parameter-gradient bookkeeping"),
     ("torch.cuda.graphs", "CUDAGraph.replay", "graph launches, forward and backward (inside the rows above)"),
 )

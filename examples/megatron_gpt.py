@@ -43,7 +43,7 @@ builds megatron-core's own modules instead of TE's (with ``--fusion 0``), and
 dispatcher; dropless, or drop-and-pad with ``--capacity``); ``--graph-modules`` is the
 helper's ``cuda_graph_modules`` (``attn,moe_router,moe_preprocess`` graphs each layer up to
 token dispatch, which dropless routing needs); ``--buckets`` also graphs the dropless experts,
-one graph per token capacity (``te_graph.integrations.moe_experts``), and with them the
+one graph per token capacity (``te_graph.integrations.megatron.moe_experts``), and with them the
 dispatch around them where each rank holds whole experts, alltoalls included (``--moe-span experts``: the
 experts alone)::
 
@@ -453,7 +453,7 @@ def _make_graphs(cfg: RunConfig, model: list, helper: Any) -> list:
         with _thread_local_capture() if cfg.graphs == "te" else contextlib.nullcontext():
             helper.create_cudagraphs()
         if cfg.buckets and cfg.graphs != "te":
-            from te_graph.integrations.moe_experts import capacities_for, graph_dropless_experts  # noqa: PLC0415
+            from te_graph.integrations.megatron.moe import capacities_for, graph_dropless_experts  # noqa: PLC0415
 
             # A layer call routes its rank's share of the sequence (context and sequence
             # parallel); an expert's rank receives the tokens of every rank of its expert- and

@@ -1,9 +1,8 @@
 """``make_graphed_callables``: the call users know from Transformer Engine and PyTorch,
-told as torch tells its own: normalise the arguments, check them, plan, capture, wrap.
-
-Where each step lives: ``options`` and ``arguments`` (normalise), ``checks`` (bad input,
-before anything changes), ``schedule`` and ``plan`` (pure planning), ``capture`` and
-``warmup`` (the engine), ``replay`` and ``graphed`` (the per-call path).
+told as torch tells its own, in five steps: normalise the arguments (``intake``), check
+them before anything changes (``intake.checks``), plan (``planning``), warm up and capture
+(``capture``), wrap each graph in a callable that replays it (``replay``), with the guards
+of what the graphs froze (``guards``).
 """
 from __future__ import annotations
 
@@ -13,18 +12,21 @@ import torch
 
 import rng
 
-from . import checks
-from .arguments import Samples, call_form, is_mempool, largest_first, make_specs, pool_handle, sample_sets
-from .capture import CaptureOptions, Prepared, prepare_graphs
-from .frozen import fingerprints
-from .te_support import FP8Options, fp8_options, fp8_replay, is_te_module
-from .graphed import GraphedCallable, graphed_callable_of, install_on_module
-from .options import GraphOptions, eager_replay_default, graph_options
+from .capture.prepare import Prepared, prepare_graphs
+from .capture.session import CaptureOptions
+from .extension import SEAM
+from .guards.frozen import fingerprints
+from .intake import checks
+from .intake.arguments import Samples, call_form, is_mempool, pool_handle, sample_sets
+from .intake.options import GraphOptions, eager_replay_default, graph_options
+from .intake.specs import largest_first, make_specs
+from .planning.schedule import plan_schedule
 from .records import GraphSpec
-from .replay import NO_CLOCK, Clock, EagerRunner, GraphRunner, OrderSlot, ReplayOptions, ReplayOrder
-from .resources import RESOURCES
-from .schedule import plan_schedule
-from .wgrad import WgradBook
+from .replay.eager_runner import EagerRunner
+from .replay.graph_runner import GraphRunner
+from .replay.graphed import GraphedCallable, install_on_module
+from .replay.order import NO_CLOCK, Clock, OrderSlot, ReplayContext, ReplayOptions, ReplayOrder, WgradBook
+from .resources import RESOURCES, graphed_callable_of
 
 __all__ = ["make_graphed_callables", "eager_replay_default", "Samples", "reset", "graph_pool_handle"]
 
@@ -148,7 +150,7 @@ def make_graphed_callables(
     # 2. Check everything before anything changes.
     callables_ = checks.check_callables(modules)
     single = not isinstance(modules, (tuple, list))
-    fp8 = fp8_options(dict(options.fp8_arguments), callables_)
+    fp8 = SEAM.precision.options(dict(options.fp8_arguments), callables_)
     checks.check_environment(options.eager_replay)
     checks.check_modules(callables_)
     if single and options.order is None:
@@ -162,7 +164,7 @@ def make_graphed_callables(
         checks.check_devices([s.func for s in specs], [s.layout for s in specs], options.eager_replay)
 
     # 4. Warm up and capture (restores everything it changes if it fails).
-    tracker = get_rng_state_tracker() if get_rng_state_tracker is not None else rng.process_tracker()
+    tracker = options.get_rng_state_tracker() if options.get_rng_state_tracker is not None else rng.process_tracker()
     lease = None
     if not options.eager_replay:
         given = pool is not None
@@ -220,7 +222,7 @@ def reset(*graphed: Any) -> None:
         callable_.reset()
 
 
-def _capture_options(options: GraphOptions, pool: Any, tracker: Any, fp8: FP8Options) -> CaptureOptions:
+def _capture_options(options: GraphOptions, pool: Any, tracker: Any, fp8: Any) -> CaptureOptions:
     return CaptureOptions(
         num_warmup_iters=options.num_warmup_iters,
         allow_unused_input=options.allow_unused_input,
@@ -233,7 +235,7 @@ def _capture_options(options: GraphOptions, pool: Any, tracker: Any, fp8: FP8Opt
         capture_error_mode=options.capture_error_mode,
         pre_warmup_hook=options.pre_warmup_hook,
         post_warmup_hook=options.post_warmup_hook,
-        fp8=fp8,
+        precision=fp8,
     )
 
 
@@ -248,18 +250,16 @@ def _in_given_order(prepared: Prepared, order: list[int]) -> Prepared:
 
 
 def _wrap(spec_sets: list[list[GraphSpec]], prepared: Prepared, options: GraphOptions, pool: Any,
-          fp8: FP8Options, lease: Any) -> list[GraphedCallable]:
+          fp8: Any, lease: Any) -> list[GraphedCallable]:
     """One GraphedCallable per graph, holding a runner per sample set."""
     replay = ReplayOptions(
         always_autograd=options.accumulate_grads_in_graph is False,
         clone_param_grads=options.clone_param_grads_on_return,
     )
     clock = Clock() if len(spec_sets) > 1 else NO_CLOCK
-    # What each graph froze, checked at every call (``frozen``).
-    frozen = fingerprints([s.name for s in spec_sets[0]], [s.func for s in spec_sets[0]],
-                          [s.routed for s in spec_sets[0]], _device_type(spec_sets[0]), prepared.runtime_attributes,
-                          is_te_module)
-    # The weight-gradient passes waiting, over every graph of the call (``wgrad``).
+    # What each graph froze, checked at every call (``guards``).
+    frozen = fingerprints(spec_sets[0], _device_type(spec_sets[0]), prepared.runtime_attributes)
+    # The weight-gradient passes waiting, over every graph of the call.
     has_wgrad = any(w.wgrad is not None for warmups in prepared.warmups for w in warmups)
     book = WgradBook(ordered=options.order is not None) if has_wgrad else None
 
@@ -272,21 +272,22 @@ def _wrap(spec_sets: list[list[GraphSpec]], prepared: Prepared, options: GraphOp
     # The call's other sample sets are Clock's: allowed here.
     call_bits = ((1 << (len(spec_sets) * count)) - 1) << first
 
-    def slot(variant: int, index: int) -> OrderSlot:
+    def context(variant: int, index: int) -> ReplayContext:
         plan, base = prepared.plans[variant][index], first + variant * count
         others = call_bits & ~(((1 << count) - 1) << base)
-        return OrderSlot(order, base + index, first, (plan.activations_at_forward << base) | others,
+        slot = OrderSlot(order, base + index, first, (plan.activations_at_forward << base) | others,
                          (plan.activations_at_backward << base) | others, (plan.queued_at_forward << base) | others,
                          (plan.queued_at_backward << base) | others)
+        return ReplayContext(replay, slot, clock, variant, book, plan.releases_buffers)
 
     def runner(variant: int, index: int):
         spec = spec_sets[variant][index]
-        if prepared.captured is None:
+        if options.eager_replay:
             warmup = prepared.warmups[variant][index]
-            checks_ = fp8_replay(spec.fp8, fp8, warmup.te_modules, spec.has_te, graphs=False)
-            return EagerRunner(spec, warmup, checks_, clock, variant, book, replay, slot(variant, index),
-                               prepared.plans[variant][index].releases_buffers)
-        return GraphRunner(spec, prepared.captured[variant][index], replay, clock, variant, book, slot(variant, index))
+            steps = SEAM.precision.replay(spec.fp8, fp8, warmup.framework_modules, spec.framework_modules,
+                                          graphs=False)
+            return EagerRunner(spec, warmup, steps, context(variant, index))
+        return GraphRunner(spec, prepared.captured[variant][index], context(variant, index))
 
     return [
         GraphedCallable([runner(v, i) for v in range(len(spec_sets))], spec_sets[0][i], pool, frozen[i],
@@ -303,7 +304,7 @@ def _replay_order(given: Any, pool: Any) -> ReplayOrder:
     if shared is not None:
         return shared.replay_order
     key = pool if pool is not None else (pool_handle(given, eager_replay=False) if given is not None else None)
-    return RESOURCES.replay_order(key) if key is not None else ReplayOrder()
+    return RESOURCES.pool_state(key, ReplayOrder) if key is not None else ReplayOrder()
 
 
 def _device_type(specs: list[GraphSpec]) -> str:

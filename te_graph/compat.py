@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.utils.dlpack
+from torch.nn.modules import module as _nn_module
 
 import rng
 
@@ -31,6 +32,7 @@ __all__ = [
     "post_accumulate_hooks",
     "HAS_POST_ACCUMULATE_HOOKS",
     "module_hook_dicts",
+    "MODULE_INTERNALS",
     "parameter_slots",
     "buffer_slots",
     "zero_",
@@ -233,6 +235,10 @@ def hook_handles_made() -> int:
     return getattr(torch.utils.hooks.RemovableHandle, "next_id", -1)
 
 
+# nn.Module's own bookkeeping attributes (hook dicts, flags), read off a fresh module:
+# ``training`` is compared separately where it matters.
+MODULE_INTERNALS = frozenset(torch.nn.Module().__dict__) - {"training"}
+
 _MODULE_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
 
@@ -282,11 +288,9 @@ def global_module_hook_dicts() -> list[tuple[str, dict]]:
     """nn.Module's global hook dicts (``torch.nn.modules.module._global_forward_hooks`` and
     its siblings, private; ``register_module_forward_hook`` and friends fill them): hooks
     that run for every module, so for the submodules of a graphed one only at capture."""
-    from torch.nn.modules import module  # noqa: PLC0415
-
     kinds = (("forward_hooks", "_global_forward_hooks"), ("forward_pre_hooks", "_global_forward_pre_hooks"),
              ("backward_hooks", "_global_backward_hooks"), ("backward_pre_hooks", "_global_backward_pre_hooks"))
-    return [(kind, getattr(module, name)) for kind, name in kinds if isinstance(getattr(module, name, None), dict)]
+    return [(kind, getattr(_nn_module, name)) for kind, name in kinds if isinstance(getattr(_nn_module, name, None), dict)]
 
 
 # -- what the running backward will do ------------------------------------------------------

@@ -26,7 +26,7 @@ one of two paths, chosen at each call:
 
 The path is chosen at the forward; what comes to need autograd's accumulation before that
 call's backward (a hook on a parameter, another use of a parameter in the same backward)
-is refused at the backward (``replay.Runner._check_in_graph_backward``).
+is refused at the backward (``replay.refusals.check_in_graph_backward``).
 """
 from __future__ import annotations
 

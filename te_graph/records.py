@@ -1,29 +1,22 @@
 """The records one graph's state flows through, each frozen and complete when made:
 
-    GraphSpec (what to capture) -> WarmupRecord (what warmup learned)
-        -> GraphPlan (``plan``: buffers shared with other graphs)
-        -> CapturedGraph (what capture produced; what the replay runner holds)
-
-``make_spec`` builds a spec from the user's callable and samples; ``warmup`` makes the
-warmup records, ``plan`` the plans and ``capture`` the captured graphs.
+    GraphSpec (intake: what to capture) -> WarmupRecord (capture.warmup: what warmup learned)
+        -> GraphPlan (planning.buffers: buffers shared with other graphs)
+        -> CapturedGraph (capture: what the replay runner holds; the warmup record and the
+           plan travel in it whole)
 """
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 import torch
 
 from .grads import ParamGrads
-from .hooks import CaptureTimeHooks
-from .integrations import megatron
-from .te_support import te_modules_in
 from .layout import InputLayout, OutputLayout
-from .recompute_rng import StreamUse
-from .wgrad import DelayedWgrad
 
-__all__ = ["GraphSpec", "make_spec", "SampleMemory", "none_default_keywords", "SavedOutputs", "IdleCalls", "WarmupRecord", "CapturedGraph"]
+__all__ = ["GraphSpec", "SavedOutputs", "IdleCalls", "RegionDraws", "StreamUse", "DelayedWgrad", "OVERWRITES",
+           "SETS_IF_NONE", "UNKNOWN", "WarmupRecord", "GraphPlan", "CapturedGraph"]
 
 
 @dataclass(frozen=True)
@@ -40,9 +33,11 @@ class GraphSpec:
     training: bool
     needs_backward: bool
     retain_graph: bool = False
-    hooks: Optional[CaptureTimeHooks] = None
-    fp8: bool = False  # runs under Transformer Engine's FP8 autocast (``te_support``)
-    has_te: bool = False  # holds Transformer Engine modules
+    hooks: Any = None  # intake.hooks.CaptureTimeHooks: run while the graphs are prepared
+    fp8: bool = False  # runs under the registered reduced precision (Transformer Engine's FP8 autocast)
+    # Holds modules an integration serves (Transformer Engine's), which take
+    # ``is_first_microbatch`` per call.
+    framework_modules: bool = False
     # Parameters (indices into ``params``) another callable uses too: a tied weight, whose
     # gradients always go through autograd (``grads``), so that every use's gradient is
     # summed before it reaches .grad, as eager autograd sums them.
@@ -56,108 +51,50 @@ class GraphSpec:
         return tuple(t for t in self.static_inputs if t.requires_grad)
 
 
-def make_spec(
-    name: str,
-    owner: str,
-    func: Callable,
-    args: Sequence,
-    kwargs: dict,
-    grad_enabled: bool,
-    retain_graph: bool,
-    hooks: Optional[CaptureTimeHooks] = None,
-    fp8: bool = False,
-    memory: Optional["SampleMemory"] = None,
-    shared: frozenset = frozenset(),
-) -> GraphSpec:
-    """``shared``: ids of the parameters that several callables use.
+@dataclass(frozen=True)
+class RegionDraws:
+    """Where one checkpointed region draws, per stream: its offset inside the forward."""
 
-    Static inputs are detached leaves sharing the sample tensors' memory, except where
-    that memory is already another static input's (``SampleMemory``).
-
-    A backward graph is captured when grad is enabled and something requires grad (an
-    input or a parameter), in train and in eval mode alike, as eager autograd would
-    differentiate either; graphing under ``torch.no_grad()`` makes forward-only graphs.
-    """
-    call = _entry(func)
-    optional = none_default_keywords(call)
-    routed = isinstance(func, torch.nn.Module) and call != func.forward
-    if routed:  # the forward's keywords too
-        optional |= none_default_keywords(func.forward)
-    layout = InputLayout(name, args, kwargs, optional)
-    params: tuple = ()
-    training = True
-    if isinstance(func, torch.nn.Module):
-        params = tuple(p for p in func.parameters() if p.requires_grad)
-        training = func.training
-    needs_backward = grad_enabled and (any(t.requires_grad for t in layout.samples) or bool(params))
-    own = memory.own if memory is not None else (lambda t: t)
-    static = tuple(own(t.detach()).requires_grad_(t.requires_grad and needs_backward) for t in layout.samples)
-    tied = frozenset(i for i, p in enumerate(params) if id(p) in shared)
-    return GraphSpec(
-        name, owner, func, call, layout, static, params, training, needs_backward, retain_graph, hooks,
-        fp8, te_modules_in(func), tied, routed,
-    )
+    offsets: dict[str, int]
 
 
-class SampleMemory:
-    """The memory the static inputs of one ``make_graphed_callables`` call take.
+@dataclass(frozen=True)
+class StreamUse:
+    """What the last warmup pass learned about one forward or backward: the live streams
+    (by key), which of them it drew from, and where each checkpointed region drew."""
 
-    A static input is its sample's memory, so that a call passing the sample itself copies
-    nothing. Where two samples share memory (one tensor as every layer's sample, one mask
-    in every layer's kwargs, views of one buffer), their graphs would share one static
-    buffer, and a call of one would overwrite what another's backward (its recompute)
-    still reads; so each later one in the same storage gets a copy of its own. A sample
-    whose elements overlap each other (an expanded tensor) cannot take a copy-in: it gets a
-    contiguous copy.
-    """
+    streams: dict[str, torch.Generator]
+    used: tuple[str, ...]
+    regions: tuple[RegionDraws, ...] = ()
 
-    def __init__(self) -> None:
-        self._taken: set[tuple[torch.device, int]] = set()  # (device, storage address)
-
-    def own(self, t: torch.Tensor) -> torch.Tensor:
-        if t.numel() == 0 or t.device.type == "meta":
-            return t
-        if torch._debug_has_internal_overlap(t) == 1:  # 1: its elements overlap (0 no, 2 unknown)
-            t = t.contiguous()
-        key = (t.device, t.untyped_storage().data_ptr())
-        if key in self._taken:
-            # Another static input lives in this storage: even disjoint views of one storage
-            # share a version counter, which autograd reads.
-            t = t.clone()
-            key = (t.device, t.untyped_storage().data_ptr())
-        self._taken.add(key)
-        return t
+    def used_generators(self) -> dict[str, torch.Generator]:
+        return {k: self.streams[k] for k in self.used}
 
 
-def _entry(func: Callable) -> Callable:
-    """What graphing calls: a function itself; a module's ``forward`` (module hooks are
-    refused, so ``__call__`` would add nothing), except where its class routes capture in
-    ``__call__``, as megatron-core's layers do while Megatron's capture flag is set
-    (Transformer Engine's graphs call ``__call__`` and get the routed function; te_graph
-    calls that function itself, so that eager replay does not route a call back to the
-    replay)."""
-    if not isinstance(func, torch.nn.Module):
-        return func
-    routed = megatron.capture_entry(func)
-    return routed if routed is not None else func.forward
+OVERWRITES = "overwrites"  # backward_dw sets .grad whatever it held (a weight)
 
 
-def none_default_keywords(call: Callable) -> frozenset:
-    """The keyword parameters ``call`` declares with a default of ``None`` (a call may then
-    leave them out, or pass None, where they were None at capture)."""
-    try:
-        parameters = inspect.signature(call).parameters.values()
-    except (TypeError, ValueError):  # builtins and C callables may have no signature
-        return frozenset()
-    keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    return frozenset(p.name for p in parameters if p.kind in keyword and p.default is None)
+SETS_IF_NONE = "sets if None"  # only where .grad is None (a bias)
+
+
+UNKNOWN = "unknown"  # one warmup pass cannot tell: .grad must be None at backward_dw
+
+
+@dataclass(frozen=True)
+class DelayedWgrad:
+    """What warmup learned about one graph's weight-gradient pass."""
+
+    modules: tuple  # the modules whose backward_dw() it runs, in forward order
+    sets: tuple[tuple[tuple[int, str], ...], ...]  # per module: (index into spec.params, kind)
+    split_params: frozenset  # those the backward leaves alone: only the pass gives them a gradient
+    kept: tuple[int, ...]  # parameters the backward gave a gradient that backward_dw may read
 
 
 @dataclass(frozen=True)
 class SavedOutputs:
     """The outputs whose backward reads them (autograd saved them): an in-place update of
     one between a call's forward and its backward is refused, as eager autograd refuses it.
-    Found in the last warmup pass (``warmup._probed_backward``); with a single pass there is
+    Found in the last warmup pass (``capture.backward_reads.probed_backward``); with a single pass there is
     none to find them in, and every output counts (``probed`` False)."""
 
     indices: tuple[int, ...] = ()  # into the output layout's tensors
@@ -180,12 +117,12 @@ class WarmupRecord:
     """What the warmup passes learned about one graph."""
 
     output: OutputLayout  # the outputs' layout (meta tensors: no memory is kept)
-    unused: tuple[int, ...]  # inputs requiring grad that no output depends on
-    updated: tuple[int, ...]  # inputs the forward updates in place (copied back at replay)
-    te_modules: tuple = ()  # the Transformer Engine modules its forward runs
+    unused: tuple[int, ...] = ()  # inputs requiring grad that no output depends on
+    updated: tuple[int, ...] = ()  # inputs the forward updates in place (copied back at replay)
+    framework_modules: tuple = ()  # the modules of integrations (Transformer Engine's) its forward runs
     forward_draws: Optional[StreamUse] = None  # last pass, graphs only: streams drawn from
     backward_draws: Optional[StreamUse] = None
-    wgrad: Optional[DelayedWgrad] = None  # TE modules that delay their weight gradients
+    wgrad: Optional[DelayedWgrad] = None  # modules that delay their weight gradients to backward_dw()
     # Parameters (indices into the spec's) that got no gradient in the first backward: eager
     # autograd leaves their .grad alone, and so do the graphs.
     unused_params: frozenset = frozenset()
@@ -204,30 +141,38 @@ class WarmupRecord:
 
 
 @dataclass(frozen=True)
+class GraphPlan:
+    """How one graph shares buffers with others."""
+
+    donor: Optional[int] = None  # graph whose static inputs and grad-output buffers it takes over
+    grad_output_from: Optional[int] = None  # graph whose input-grad buffer is its grad output
+    lends_grad_buffer: bool = False  # its input-grad buffer is another graph's grad output
+    releases_buffers: bool = False  # outputs and input grads go back to the pool after its backward
+    # What the other graphs held when its forward, and its backward, were captured (bit i:
+    # graph i): activations (from a forward to its backward; for good where the backward
+    # keeps the autograd graph) and what a backward queued for its weight-gradient pass
+    # (to backward_dw()). At replay, a graph may hold only what it held then.
+    activations_at_forward: int = 0
+    activations_at_backward: int = 0
+    queued_at_forward: int = 0
+    queued_at_backward: int = 0
+
+
+@dataclass(frozen=True)
 class CapturedGraph:
     """What capture produced for one graph: everything its replay needs."""
 
     fwd_graph: Any  # torch.cuda.CUDAGraph
     bwd_graph: Any  # None for a forward-only graph
+    warmup: WarmupRecord  # what warmup learned, whole
+    plan: GraphPlan  # the buffers it shares with other graphs
     static_inputs: tuple[torch.Tensor, ...]  # its own, or taken over from a buffer donor
-    output: OutputLayout  # static outputs (non-owning aliases where ``borrowed_outputs``)
+    output: OutputLayout  # static outputs (non-owning aliases where ``plan.releases_buffers``)
     static_grad_outputs: tuple  # per output: its incoming grad's buffer, None if not differentiable
     static_grad_inputs: tuple  # per input: its grad's buffer, None where it takes no grad
     param_grads: Optional[ParamGrads]
-    rng: Any  # RecomputeRNG.for_replay(): the record and restore around each replay
-    sync_forward: Any  # TrackerSync or NO_SYNC: keeps duck-typed trackers in step
+    rng: Any  # capture.recompute_rng.RecomputeRNG.for_replay(): the record and restore around each replay
+    sync_forward: Any  # capture.recompute_rng.TrackerSync or NO_SYNC: keeps duck-typed trackers in step
     sync_backward: Any
-    lends_grad_buffer: bool  # its input-grad buffer is another graph's grad-output buffer
-    updated_inputs: tuple[int, ...] = ()  # inputs the forward updates in place
-    fp8: Any = None  # te_support.fp8_replay(): Transformer Engine's FP8 bookkeeping around replays
-    wgrad: Any = None  # wgrad.WgradReplay: the weight-gradient pass, replayed by backward_dw()
-    # Parameters to flag grad_added_to_main_grad=True after each backward replay, as
-    # Transformer Engine's backward does for weights it accumulates into main_grad itself.
-    fused_params: tuple = ()
-    fed: tuple = ()  # WarmupRecord.fed: which outputs may go without a gradient, and when
-    saved: SavedOutputs = SavedOutputs()  # WarmupRecord.saved
-    idle_calls: Optional[IdleCalls] = None  # WarmupRecord.idle_calls
-    idle_outputs: tuple = ()  # WarmupRecord.idle_outputs
-    # Its outputs' and input grads' memory is handed on to later graphs once its backward
-    # ran (``reuse_graph_input_output_buffers``): the static tensors own none of it.
-    borrowed_outputs: bool = False
+    precision: Any  # the extension's replay steps around each replay (``extension.Precision.replay``)
+    wgrad: Any = None  # capture.wgrad.WgradReplay: the weight-gradient pass, replayed by backward_dw()

@@ -7,33 +7,33 @@
 * **Parameter-gradient buffers**, one per trainable parameter, at a fixed address, shared
   by every graph that uses the parameter (``grads``). Held weakly: a buffer lives as long as
   a graph that accumulates into it or the parameter's ``.grad`` holds it.
-* **Transformer Engine's backward amax reduction as a graph**, one per device
-  (``fp8_reduction``): FP8 graphs under delayed scaling replay it after the backward of
-  an autocast's first FP8 call.
+* **Per-device objects an integration owns** (:meth:`ProcessResources.per_device`; the
+  Transformer Engine integration's backward amax reduction graph), each reset at teardown.
 * **Live graphed callables**, held weakly, so that ``te_graph.reset()`` with no argument
   can free every graph (teardown before ``destroy_process_group``).
-* **The replay order of each memory pool** (``replay.ReplayOrder``), held weakly by the
-  pool's handle: the calls that capture into one pool share it.
+* **What the calls capturing into one memory pool share** (:meth:`ProcessResources.pool_state`:
+  the replay order of its graphs), held weakly by the pool's handle.
 * **A lease on each memory pool handle** (:class:`PoolLease`): held by the graphed
   callables captured into the pool, and for the process by a handle the user passed, so
   that the handle can be captured into again after every graph of it was reset while
   tensors in it are still held.
 
 ``RESOURCES`` is the one instance; ``RESOURCES.teardown()`` (what ``te_graph.reset()``
-calls) frees the graphs and forgets the rest.
+calls) frees the graphs and forgets the rest. :class:`Graphed` is the base of te_graph's
+graphed callables, so that every stage can recognise one (``graphed_callable_of``).
 """
 from __future__ import annotations
 
 import warnings
 import weakref
-from typing import Any, Iterator, Protocol
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import compat
 
-__all__ = ["ProcessResources", "RESOURCES", "PoolLease"]
+__all__ = ["ProcessResources", "RESOURCES", "PoolLease", "Graphed", "graphed_callable_of"]
 
 
 class PoolLease:
@@ -73,10 +73,25 @@ class PoolLease:
             self._graph = None
 
 
-class _Graphed(Protocol):
-    def reset(self) -> None: ...
+class Graphed:
+    """The base of te_graph's graphed callables (``replay.graphed.GraphedCallable``)."""
 
-    def accumulated_parameters(self) -> Iterator[torch.Tensor]: ...
+    def reset(self) -> None:
+        raise NotImplementedError
+
+    def accumulated_parameters(self) -> Iterator[torch.Tensor]:
+        raise NotImplementedError
+
+
+def graphed_callable_of(obj: Any) -> Optional[Graphed]:
+    """The graphed callable behind ``obj`` (itself, or a module whose forward it is)."""
+    if isinstance(obj, Graphed):
+        return obj
+    if isinstance(obj, torch.nn.Module):
+        forward = obj.__dict__.get("forward")
+        if isinstance(forward, Graphed):
+            return forward
+    return None
 
 
 class ProcessResources:
@@ -86,20 +101,19 @@ class ProcessResources:
         self._streams: dict[int, torch.cuda.Stream] = {}
         # Keyed by identity (a plain WeakKeyDictionary would compare tensors with ``==``).
         self._grad_buffers = WeakIdKeyDictionary()
-        self._callables: "weakref.WeakSet[Any]" = weakref.WeakSet()
-        self._amax_reductions: dict[int, Any] = {}
-        self._replay_orders: "weakref.WeakValueDictionary[Any, Any]" = weakref.WeakValueDictionary()
+        self._callables: "weakref.WeakSet[Graphed]" = weakref.WeakSet()
+        self._per_device: dict[tuple[str, int], Any] = {}
+        self._pool_states: "weakref.WeakValueDictionary[Any, Any]" = weakref.WeakValueDictionary()
         self._leases: "weakref.WeakValueDictionary[Any, PoolLease]" = weakref.WeakValueDictionary()
         self._given_pools: dict[Any, PoolLease] = {}  # handles the user passed: kept until teardown
 
-    def replay_order(self, pool: Any) -> Any:
-        """The ``replay.ReplayOrder`` of the graphs captured into ``pool`` (a pool handle)."""
-        order = self._replay_orders.get(pool)
-        if order is None:
-            from .replay import ReplayOrder  # noqa: PLC0415 - replay imports this module
-
-            order = self._replay_orders[pool] = ReplayOrder()
-        return order
+    def pool_state(self, pool: Any, make: Callable[[], Any]) -> Any:
+        """What the graphs captured into ``pool`` (a pool handle) share, made by ``make`` at
+        first need and held as long as a graph holds it."""
+        state = self._pool_states.get(pool)
+        if state is None:
+            state = self._pool_states[pool] = make()
+        return state
 
     def pool_lease(self, handle: tuple[int, int], given: bool) -> PoolLease:
         """The lease on pool ``handle`` (``PoolLease``), kept for the process where the user
@@ -123,26 +137,25 @@ class ProcessResources:
         ref = self._grad_buffers.get(param)
         buffer = ref() if ref is not None else None
         if buffer is None:
-            # A TE quantized weight's gradient is a plain tensor of its nominal dtype.
+            # A quantized weight's gradient is a plain tensor of its nominal dtype.
             plain = type(param) in (torch.Tensor, torch.nn.Parameter)
             buffer = torch.zeros_like(param) if plain else torch.zeros(param.shape, dtype=param.dtype, device=param.device)
             self._grad_buffers[param] = weakref.ref(buffer)
         return buffer
 
-    def backward_amax_reduction(self) -> Any:
-        """The current device's ``fp8_reduction.BackwardAmaxReduction``."""
-        device = torch.cuda.current_device()
-        if device not in self._amax_reductions:
-            from .fp8_reduction import BackwardAmaxReduction  # noqa: PLC0415 - FP8 runs only
+    def per_device(self, key: str, make: Callable[[], Any]) -> Any:
+        """The current device's object named ``key``, made by ``make`` at first need; its
+        ``reset()`` runs at teardown."""
+        slot = (key, torch.cuda.current_device())
+        if slot not in self._per_device:
+            self._per_device[slot] = make()
+        return self._per_device[slot]
 
-            self._amax_reductions[device] = BackwardAmaxReduction(self.capture_stream())
-        return self._amax_reductions[device]
-
-    def add_callable(self, graphed: _Graphed) -> None:
+    def add_callable(self, graphed: Graphed) -> None:
         """Track a graphed callable for ``teardown`` (weakly: it keeps nothing alive)."""
         self._callables.add(graphed)
 
-    def live_callables(self) -> Iterator[_Graphed]:
+    def live_callables(self) -> Iterator[Graphed]:
         return iter(list(self._callables))
 
     def parameters_in_graphs(self) -> frozenset:
@@ -151,14 +164,14 @@ class ProcessResources:
         return frozenset(id(p) for graphed in self.live_callables() for p in graphed.accumulated_parameters())
 
     def teardown(self) -> None:
-        """Free every graphed callable's graphs and buffers and the amax-reduction graphs,
-        and forget the streams and gradient buffers (later captures make new ones)."""
+        """Free every graphed callable's graphs and buffers and the per-device objects, and
+        forget the streams, pool leases and gradient buffers (later captures make new ones)."""
         for graphed in self.live_callables():
             graphed.reset()
-        for reduction in self._amax_reductions.values():
-            reduction.reset()
-        self._amax_reductions = {}
-        self._replay_orders = weakref.WeakValueDictionary()
+        for owned in self._per_device.values():
+            owned.reset()
+        self._per_device = {}
+        self._pool_states = weakref.WeakValueDictionary()
         for lease in self._given_pools.values():
             lease.release()
         self._given_pools = {}

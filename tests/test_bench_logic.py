@@ -247,7 +247,7 @@ def test_the_host_timeline_clocks_te_graphs_functions_and_puts_them_back():
     import profile_te_host
 
     import te_graph.grads as grads
-    import te_graph.replay as replay
+    import te_graph.replay.function as replay
 
     originals = (grads.ParamGrads.__dict__["prepare_in_graph"], replay._Replay.__dict__["backward"])
     params = [torch.nn.Parameter(torch.ones(2))]

@@ -762,7 +762,7 @@ def test_warmup_hook_sees_the_streams_and_offsets_of_each_region():
     """The hook te_graph sets in its last warmup pass learns, per checkpointed region, the
     streams it draws from and where inside the forward its draws begin."""
     from checkpointing.capture_hook import capture_hook_set
-    from te_graph.recompute_rng import ForwardDraws
+    from te_graph.capture.recompute_rng import ForwardDraws
 
     tracker = rng.get_cuda_rng_tracker()
     rng.model_parallel_cuda_manual_seed(SEED, tracker=tracker)

@@ -555,7 +555,7 @@ class Waits(nn.Module):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", list(HOST_WAITS))
 def test_a_host_wait_is_refused_by_name_and_the_layer_then_trains_eagerly(kind):
-    from te_graph.host_sync import HostSyncError  # noqa: PLC0415
+    from te_graph.capture.host_sync import HostSyncError  # noqa: PLC0415
 
     wait, op = HOST_WAITS[kind]
     rng.model_parallel_cuda_manual_seed(4)
@@ -599,7 +599,7 @@ class _BackwardWaits(Lin):
 
 @pytest.mark.gpu
 def test_a_host_wait_in_a_backward_is_refused_by_name():
-    from te_graph.host_sync import HostSyncError  # noqa: PLC0415
+    from te_graph.capture.host_sync import HostSyncError  # noqa: PLC0415
 
     with pytest.raises(HostSyncError, match=re.escape(
             "make_graphed_callables: callable 0 (_BackwardWaits) waits for the GPU from the host while it is captured")):
@@ -621,7 +621,7 @@ def test_a_host_wait_skipped_while_capturing_is_not_refused():
 
 
 def test_only_cuda_stream_capture_errors_are_told_as_host_waits():
-    from te_graph.host_sync import HostSyncError, refusal_of  # noqa: PLC0415
+    from te_graph.capture.host_sync import HostSyncError, refusal_of  # noqa: PLC0415
 
     def raised(text):
         try:
@@ -655,7 +655,7 @@ def test_host_wait_patches_are_owned_once_and_put_back_when_the_last_capture_win
     the originals are back when the last window closes; outside a capture they go through."""
     import threading  # noqa: PLC0415
 
-    from te_graph.host_sync import waits_refused  # noqa: PLC0415
+    from te_graph.capture.host_sync import waits_refused  # noqa: PLC0415
 
     original = torch.cuda.synchronize
     a_open, b_open, a_closed = threading.Event(), threading.Event(), threading.Event()

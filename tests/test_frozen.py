@@ -114,7 +114,7 @@ def test_hooks_on_a_module_whose_class_replays_from_its_own_call_are_refused():
     ``nn.Module.__call__`` runs the layer's hooks (``routed``; the Megatron GPU tests graph such
     layers through the helper): there hooks on the module itself are refused too, while DDP's
     forward pre-hooks the helper runs by hand still pass."""
-    from te_graph.frozen import FrozenModule  # noqa: PLC0415
+    from te_graph.guards.frozen import FrozenModule  # noqa: PLC0415
 
     m = Net()
     frozen = FrozenModule(m, frozenset(), lambda module: False, routed=True)

@@ -52,7 +52,7 @@ SETUPS = {
     "selective-recompute-dropout": ["--dropout", "0.1", "--fusion", "1", "--recompute", "selective"],
     # Full recompute replays each layer's forward graph in the backward: under delayed
     # scaling it must quantize with the scales of the forward it recomputes, and leave the
-    # amax history as it found it, as TE's recompute does (te_support.FP8Replay).
+    # amax history as it found it, as TE's recompute does (the TE integration's FP8Replay).
     "fp8-delayed-full-recompute-dropout": ["--dropout", "0.1", "--fusion", "1", "--fp8", "delayed",
                                            "--recompute", "full"],
     "fp8-delayed-history-16-max-full-recompute": ["--dropout", "0.1", "--fusion", "1", "--fp8", "delayed",
@@ -242,7 +242,7 @@ CAPACITY_SETUPS = {
     "bf16-permute-fusion": ["--buckets", "1.0,1.25", "--permute-fusion", "1"],
     "bf16-full-recompute": ["--buckets", "1.0,1.25", "--recompute", "full"],
     # Delayed scaling, recomputed: the replays swap in the scales of the forward they
-    # recompute, as TE's eager modules do (te_support.FP8Replay).
+    # recompute, as TE's eager modules do (the TE integration's FP8Replay).
     "fp8-delayed-full-recompute": ["--buckets", "1.0,1.25", "--fp8", "delayed", "--recompute", "full"],
     "bf16-overflow-eager": ["--buckets", "1.0,1.25", "--overflow", "eager"],
     # The distributed optimizer with overlapped parameter all-gathers: DDP's forward pre-hooks

@@ -95,7 +95,7 @@ def _same(a, b, what: str) -> None:
 
 def main(permute_fusion: bool) -> None:
     from examples.megatron_gpt import setup_process
-    from te_graph.integrations.moe_experts import capacities_for, graph_dropless_experts
+    from te_graph.integrations.megatron.moe import capacities_for, graph_dropless_experts
 
     setup_process()
     eager, graphed, replayed = _layers(permute_fusion)

@@ -72,7 +72,7 @@ class _Dispatcher:  # the attributes of megatron-core's alltoall dispatcher the 
 
 
 def _rank_main(rank: int, port: int, out_dir: str) -> None:
-    from te_graph.integrations.moe_dispatch import ExpertExchange, PaddedDispatch, agreed_refusal
+    from te_graph.integrations.megatron.moe_dispatch import ExpertExchange, PaddedDispatch, agreed_refusal
 
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.set_num_threads(1)

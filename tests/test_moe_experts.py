@@ -1,4 +1,4 @@
-"""Dropless MoE experts in graphs, one per token capacity (``te_graph.integrations.moe_experts``).
+"""Dropless MoE experts in graphs, one per token capacity (``te_graph.integrations.megatron.moe_experts``).
 
 On the CPU, through eager replay (the same wrapper without graphs), with experts laid out as
 megatron-core's are called (``experts(hidden, tokens_per_expert, probs) -> (out, bias)``): each
@@ -17,9 +17,10 @@ from torch import nn
 
 import te_graph
 
-from te_graph.integrations.moe_dispatch import distinct_blocks
-from te_graph.integrations.moe_experts import capacities_for, graph_dropless_experts, skips_weight_update
-from te_graph.te_support import keeps_weight_cache
+from te_graph.integrations.megatron.moe_dispatch import distinct_blocks
+from te_graph.integrations.megatron.moe import capacities_for, graph_dropless_experts
+from te_graph.integrations.megatron.moe_experts import skips_weight_update
+from te_graph.integrations.transformer_engine.modules import keeps_weight_cache
 
 H, E = 8, 4
 
@@ -67,7 +68,7 @@ def test_replays_reuse_the_cached_fp8_weights_only_where_the_eager_wrappers_woul
     assert skips_weight_update([wrapper(True)]) is False
     assert skips_weight_update([wrapper(False, cache_off=True)]) is False
     assert skips_weight_update([]) is False
-    # The same decision for te_graph's FP8 graphs of whole layers (te_support.FP8Replay).
+    # The same decision for te_graph's FP8 graphs of whole layers (the TE integration's FP8Replay).
     assert keeps_weight_cache([object(), wrapper(False)]) is True
     assert keeps_weight_cache([object(), wrapper(False, cache_off=True)]) is False
 

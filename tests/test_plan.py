@@ -1,10 +1,11 @@
-"""CPU tests for te_graph.plan: which graphs share buffers, decided before capture."""
+"""CPU tests for te_graph.planning.buffers: which graphs share buffers, decided before capture."""
 from __future__ import annotations
 
 import torch
 
-from te_graph.plan import GraphLayout, GraphPlan, TensorMeta, plan_capture
-from te_graph.schedule import BACKWARD, FORWARD, WGRAD, Step, plan_schedule
+from te_graph.planning.buffers import GraphLayout, TensorMeta, plan_capture
+from te_graph.records import GraphPlan
+from te_graph.planning.schedule import BACKWARD, FORWARD, WGRAD, Step, plan_schedule
 
 CPU = torch.device("cpu")
 
@@ -133,13 +134,15 @@ def test_a_warmed_up_stack_plans_its_chain():
     """The plan reads the warmup records (outputs kept as meta tensors, devices kept beside
     them): a GPTBlock stack chains every boundary."""
     import rng
-    from te_graph.capture import CaptureOptions, prepare_graphs
-    from te_graph.records import make_spec
+    from te_graph.capture.prepare import prepare_graphs
+    from te_graph.capture.session import CaptureOptions
+    from te_graph.intake.specs import SampleMemory, SpecContext, make_spec
     from tests.graph_helpers import make_blocks
 
     blocks = make_blocks(n=3, device="cpu")
     specs = [
-        make_spec(f"callable {i}", f"callable {i}", block, (torch.randn(16, 2, 64, requires_grad=True),), {}, True, False)
+        make_spec(f"callable {i}", block, (torch.randn(16, 2, 64, requires_grad=True),), {},
+                  SpecContext(True, False, SampleMemory()))
         for i, block in enumerate(blocks)
     ]
     options = CaptureOptions(num_warmup_iters=1, allow_unused_input=False, reuse_buffers=False, pool=None,

@@ -1,4 +1,4 @@
-"""CPU tests for te_graph.schedule: order expansion, layout, validation, buffer reuse."""
+"""CPU tests for te_graph.planning (schedule and buffer reuse): order expansion, layout, validation, buffer reuse."""
 from __future__ import annotations
 
 import random
@@ -6,18 +6,17 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import pytest
 
-from te_graph.schedule import (
+from te_graph.planning.schedule import (
     BACKWARD,
     FORWARD,
     WGRAD,
     GraphSlot,
     Schedule,
     Step,
-    plan_buffer_reuse,
     with_wgrad_passes_last,
     plan_schedule,
-    resolve_buffer_owners,
 )
+from te_graph.planning.buffers import plan_buffer_reuse, resolve_buffer_owners
 
 INTERLEAVED = [1, 2, 1, 2, -2, -1, 1, 2, -2, -1, -2, -1]
 ONE_F_ONE_B = [1, 1, -1, 1, -1, 1, -1, -1]  # pipeline rank 0 of 2, 4 microbatches

@@ -1,4 +1,5 @@
-"""megatron-core's own CUDA-graph path with te_graph as the graph maker.
+"""megatron-core's own CUDA-graph path with te_graph as the graph maker, and what the
+engine asks of megatron-core's layers through the seam (``Megatron`` in this package).
 
 Megatron-LM users turn per-layer graphs on with ``--cuda-graph-impl transformer_engine``;
 megatron-core's ``TECudaGraphHelper`` (``megatron/core/transformer/cuda_graphs.py``) then
@@ -14,10 +15,10 @@ What ``make_graphed_callables`` itself does for this path (no adapter needed):
 * a layer is captured the way Megatron routes it while its capture flag is set
   (:func:`capture_entry`: ``GraphableMegatronModule._te_cuda_graph_capture``);
 * Megatron's replay keywords, mostly ``None``, are accepted where the layer's ``forward``
-  defaults them to ``None`` (``layout.InputLayout``);
+  defaults them to ``None`` (``te_graph.layout.InputLayout``);
 * ``main_grad`` and gradient-accumulation fusion (Transformer Engine modules built with
-  ``fuse_wgrad_accumulation=True``) are replayed as TE's Python does them (``grads``,
-  ``parameters.StandIns.scratch_main_grads``);
+  ``fuse_wgrad_accumulation=True``) are replayed as TE's Python does them (``te_graph.grads``,
+  ``te_graph.capture.parameters.StandIns.scratch_main_grads``);
 * the forward pre-hooks Megatron's DDP puts on submodules, which the helper runs by hand
   before each replay (``cuda_graph_set_manual_hooks``), pass the per-call check
   (:func:`hooks_run_by_hand`).
@@ -35,6 +36,10 @@ import sys
 from typing import Any, Callable, Optional
 
 import torch
+
+from checkpointing import checkpoint as exact
+
+from ...api import make_graphed_callables
 
 __all__ = ["enable", "disable", "enabled", "routes_capture", "capture_entry", "manual_hooks", "hooks_run_by_hand",
            "modules_run_by_hand", "scope_names", "submodules_run_eagerly", "checkpoint", "te_checkpoint"]
@@ -95,7 +100,7 @@ def hooks_run_by_hand(layer: torch.nn.Module) -> frozenset:
     """The code of the forward pre-hooks megatron-core's DDP puts on ``layer``'s submodules
     (``overlap_param_gather``), as its helper's ``cuda_graph_manual_hooks`` holds them, or
     nothing where the helper runs none by hand. Such hooks may come and go after graphing;
-    the per-call check (``frozen``) accepts them
+    the per-call check (``te_graph.guards.frozen``) accepts them
 
     * on a submodule the helper runs them for before each replay (:func:`modules_run_by_hand`:
       megatron-core's ``setup_manual_hooks`` lists the submodules with parameters of their
@@ -170,7 +175,6 @@ def checkpoint(function: Callable, distribute_saved_activations: bool, *args: An
     """megatron-core's ``tensor_parallel.checkpoint`` (its argument order) as te_graph's
     checkpoint: exact dropout masks in the recompute, inside graphs too, with Megatron's RNG
     tracker and tensor-parallel group."""
-    from checkpointing import checkpoint as exact  # noqa: PLC0415
     from megatron.core import parallel_state  # noqa: PLC0415
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker  # noqa: PLC0415
 
@@ -182,7 +186,6 @@ def checkpoint(function: Callable, distribute_saved_activations: bool, *args: An
 def te_checkpoint(forward_func: Callable, distribute_saved_activations: bool, get_rng_state_tracker: Callable,
                   tp_group: Any, *args: Any, **kwargs: Any) -> Any:
     """megatron-core's ``te_checkpoint`` (used under FP8) as te_graph's checkpoint."""
-    from checkpointing import checkpoint as exact  # noqa: PLC0415
 
     return exact(forward_func, *args, distribute_saved_activations=distribute_saved_activations,
                  get_rng_state_tracker=get_rng_state_tracker, tp_group=tp_group, **kwargs)
@@ -192,14 +195,12 @@ def enable(recompute: bool = True) -> None:
     """Make megatron-core's helper graph with te_graph, and (``recompute``) Megatron's
     checkpoints recompute exactly. Call after importing megatron-core, before
     ``TECudaGraphHelper.create_cudagraphs()``; :func:`disable` undoes it."""
-    import te_graph  # noqa: PLC0415
-
     try:
         import megatron.core.tensor_parallel  # noqa: F401, PLC0415
         import megatron.core.transformer.cuda_graphs  # noqa: F401, PLC0415
     except ImportError as error:
         raise RuntimeError(f"te_graph.integrations.megatron.enable(): megatron-core does not import ({error}).") from error
-    _patch(_CUDA_GRAPHS, "make_graphed_callables", te_graph.make_graphed_callables)
+    _patch(_CUDA_GRAPHS, "make_graphed_callables", make_graphed_callables)
     if recompute:
         _patch("megatron.core.tensor_parallel", "checkpoint", checkpoint)
         _patch("megatron.core.tensor_parallel.random", "checkpoint", checkpoint)
@@ -219,9 +220,7 @@ def disable() -> None:
 
 def enabled() -> bool:
     graphs = _loaded(_CUDA_GRAPHS)
-    import te_graph  # noqa: PLC0415
-
-    return graphs is not None and getattr(graphs, "make_graphed_callables", None) is te_graph.make_graphed_callables
+    return graphs is not None and getattr(graphs, "make_graphed_callables", None) is make_graphed_callables
 
 
 def _patch(name: str, attribute: str, value: Any) -> None:

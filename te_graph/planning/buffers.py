@@ -1,33 +1,33 @@
-"""The capture plan: which static buffers graphs share, decided before anything is captured.
-
-Pure (no CUDA calls), like ``schedule``: it reads tensor layouts only, so CPU tests cover
-every decision. Two kinds of sharing:
+"""The capture plan (``records.GraphPlan``): which static buffers graphs share, decided
+before anything is captured from tensor layouts alone. Two kinds of sharing:
 
 * **Buffer reuse** (``reuse_graph_input_output_buffers`` under an ``order``): a forward that
   runs after an earlier graph's backward takes over that graph's static inputs and
-  grad-output buffers when their layouts match (``schedule.plan_buffer_reuse``), and the
+  grad-output buffers when their layouts match (:func:`plan_buffer_reuse`), and the
   earlier graph's outputs and input grads go back to the pool once its backward is captured.
 * **Gradient chaining** (the plain schedule): in a stack, layer i's output is layer i+1's
   input, and the gradient autograd hands layer i's backward is the one layer i+1's backward
   just wrote. Layer i's backward graph reads it where it lies (layer i+1's input-grad
   buffer), which saves a copy and a buffer per layer. Replay keeps this exact: the buffer is
-  handed on uncopied only to the graph it is lent to (``replay.GraphRunner``).
+  handed on uncopied only to the graph it is lent to (``replay.graph_runner``).
 
 And the memory the graphs share through their one pool: a forward or backward captured
 while another graph's backward had already run, or its forward not yet, may have been given
 that graph's activation memory. Each plan names what the other graphs may hold when its
 forward and its backward replay (``activations_at_*``, ``queued_at_*``: bitmasks over the
 graphs' indices): what they held at that capture. Replay refuses any other order
-(``replay.ReplayOrder``).
+(``replay.order.ReplayOrder``).
 """
 from __future__ import annotations
 
+from collections import defaultdict, deque
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Deque, Dict, Hashable, Mapping, Optional, Sequence, Set, Union
 
-from .schedule import BACKWARD, FORWARD, WGRAD, Step, plan_buffer_reuse
+from ..records import GraphPlan
+from .schedule import BACKWARD, FORWARD, WGRAD, Step
 
-__all__ = ["TensorMeta", "GraphLayout", "GraphPlan", "plan_capture"]
+__all__ = ["TensorMeta", "GraphLayout", "plan_capture", "plan_buffer_reuse", "resolve_buffer_owners"]
 
 
 @dataclass(frozen=True)
@@ -64,24 +64,6 @@ class GraphLayout:
             return (m.shape, m.stride, m.dtype, m.requires_grad)
 
         return (tuple(map(key, self.inputs)), tuple(map(key, self.outputs)))
-
-
-@dataclass(frozen=True)
-class GraphPlan:
-    """How one graph shares buffers with others."""
-
-    donor: Optional[int] = None  # graph whose static inputs and grad-output buffers it takes over
-    grad_output_from: Optional[int] = None  # graph whose input-grad buffer is its grad output
-    lends_grad_buffer: bool = False  # its input-grad buffer is another graph's grad output
-    releases_buffers: bool = False  # outputs and input grads go back to the pool after its backward
-    # What the other graphs held when its forward, and its backward, were captured (bit i:
-    # graph i): activations (from a forward to its backward; for good where the backward
-    # keeps the autograd graph) and what a backward queued for its weight-gradient pass
-    # (to backward_dw()). At replay, a graph may hold only what it held then.
-    activations_at_forward: int = 0
-    activations_at_backward: int = 0
-    queued_at_forward: int = 0
-    queued_at_backward: int = 0
 
 
 def plan_capture(
@@ -153,3 +135,95 @@ def _chains(graph: GraphLayout, following: GraphLayout, backward_position: dict,
     if len(outputs) != 1 or len(takers) != 1 or takers[0] in following.unused:
         return False
     return outputs[0].same_layout(following.inputs[takers[0]])
+
+
+def plan_buffer_reuse(
+    steps: Sequence[Step],
+    signatures: Union[Sequence[Hashable], Mapping[int, Hashable]],
+) -> Dict[int, Optional[int]]:
+    """For each graph, the earlier graph whose static buffers its forward takes over.
+
+    A graph's static input, output and grad buffers become free once its backward step has
+    run (been captured), or its weight-gradient step where it has one; a later forward, in
+    step order, whose ``signatures[flat_index]`` equals the freed graph's takes them over,
+    oldest freed first (FIFO per signature).
+    A graph that took over buffers passes them on again once its own backward has run,
+    so the returned donor is the *immediate* previous holder; see
+    :func:`resolve_buffer_owners` for the graph that first allocated them.
+
+    The contract for users: a graphed callable's output is then valid only until its
+    backward runs; after that a later forward may overwrite it in place.
+
+    ``signatures``: any hashable per flat graph index describing its static inputs and
+    outputs, e.g. a tuple of (shape, dtype, layout) per tensor.
+    Returns ``{flat_index: donor flat_index or None}`` for every graph in ``steps``.
+
+    Differs from TE on purpose: TE keeps one FIFO for all graphs (it assumes every layer
+    has the same shapes) and frees a chunk's layers in ascending layer order when the
+    chunk's backward starts; here the queue is per signature and graphs are freed in the
+    order their backward steps run (last layer first).
+    """
+    free: Dict[Hashable, Deque[int]] = defaultdict(deque)
+    donors: Dict[int, Optional[int]] = {}
+    released: Set[int] = set()
+    # A graph with a weight-gradient pass frees its buffers only after it: that pass reads
+    # the input and the output grad the backward saw.
+    split = {step.flat_index for step in steps if step.kind == WGRAD}
+    for position, step in enumerate(steps):
+        key = _signature(signatures, step.flat_index)
+        if step.kind == FORWARD:
+            if step.flat_index in donors:
+                raise ValueError(
+                    f"steps[{position}] runs the forward of graph {step.flat_index} twice; "
+                    f"pass each graph's forward once (use plan_schedule(...).steps)."
+                )
+            queue = free[key]
+            donors[step.flat_index] = queue.popleft() if queue else None
+        elif step.kind == BACKWARD:
+            if step.flat_index not in donors or step.flat_index in released:
+                raise ValueError(f"steps[{position}] runs a backward of graph {step.flat_index} "
+                                 f"without a pending forward of it; use plan_schedule(...).steps.")
+            released.add(step.flat_index)
+            if step.flat_index not in split:
+                free[key].append(step.flat_index)
+        elif step.kind == WGRAD:
+            if step.flat_index not in released:
+                raise ValueError(f"steps[{position}] runs the weight-gradient pass of graph "
+                                 f"{step.flat_index} before its backward; use plan_schedule(...).steps.")
+            free[key].append(step.flat_index)
+        else:
+            raise ValueError(
+                f"steps[{position}].kind is {step.kind!r}; expected {FORWARD!r}, {BACKWARD!r} or {WGRAD!r}."
+            )
+    return dict(sorted(donors.items()))
+
+
+def resolve_buffer_owners(donors: Mapping[int, Optional[int]]) -> Dict[int, int]:
+    """Map each graph to the graph that first allocated the buffers it uses.
+
+    Follows donor chains (``a <- b <- c``); a graph without a donor owns its buffers.
+    """
+    owners: Dict[int, int] = {}
+    for flat in donors:
+        current, seen = flat, {flat}
+        while donors.get(current) is not None:
+            current = donors[current]  # type: ignore[assignment]
+            if current in seen:
+                raise ValueError(f"donor chain of graph {flat} loops back to graph {current}.")
+            seen.add(current)
+        owners[flat] = current
+    return owners
+
+
+def _signature(
+    signatures: Union[Sequence[Hashable], Mapping[int, Hashable]], flat: int
+) -> Hashable:
+    """Signature of graph ``flat``, with a clear error when it is missing."""
+    try:
+        return signatures[flat]
+    except (IndexError, KeyError):
+        raise ValueError(
+            f"no signature for graph {flat}; pass one signature per flat graph index "
+            f"({len(signatures)} given)."
+        ) from None
+

@@ -14,7 +14,7 @@ The hot path is a few C-level passes over tuples taken once (identities, data po
 global settings); only a mismatch pays for finding what changed. A change that leaves the
 program as it was (a value assigned again, equal to the old one; the forward pre-hooks
 Megatron's DDP registers on submodules of a layer whose ``cuda_graph_manual_hooks`` run
-them before each replay, see ``integrations.megatron.hooks_run_by_hand``) is taken into
+them before each replay, see ``Extension.hooks_run_by_hand``) is taken into
 the fingerprint and the call goes on; anything else raises before the call changes
 anything, saying what changed and to graph again.
 
@@ -24,24 +24,25 @@ taken in: the graphs read them by address).
 What no fingerprint here sees: attributes of objects that are not modules (a config
 object the forward reads), integer attributes (a framework's per-call counters live
 there), tuples, subclasses of the watched types (NumPy scalars), class attributes and
-attributes created after graphing, the Python attributes of Transformer Engine's modules
-(``te_support`` checks their per-call state), values closed over by a function, and
+attributes created after graphing, the Python attributes of modules an integration checks itself
+(Transformer Engine's: its FP8 steps check their per-call state), values closed over by a function, and
 tensors' contents.
 """
 from __future__ import annotations
 
 import itertools
 import operator
-from typing import Any, Iterable, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
-from . import compat
-from .integrations import megatron
-from .layout import describe_value
-from .module_state import MODULE_INTERNALS
+from .. import compat
+from ..compat import MODULE_INTERNALS
+from ..extension import SEAM
+from ..layout import describe_value
+from .settings import Settings
 
-__all__ = ["Settings", "FrozenModule", "Fingerprint", "hooks_outside_graphs", "global_hooks_run_at_capture_only"]
+__all__ = ["FrozenModule", "Fingerprint", "hooks_outside_graphs", "global_hooks_run_at_capture_only"]
 
 # Attribute values compared by identity at every call (a new object equal to the old one
 # is taken in on the slow path). Integers are left out: frameworks keep per-call counters
@@ -57,14 +58,14 @@ def hooks_outside_graphs(module: torch.nn.Module, routed: bool) -> frozenset:
     """The submodules (qualified names) of a graphed module whose own hooks run outside its
     graphs, never inside them, so that they are neither refused at graphing nor watched after:
 
-    * those its class declares in ``_hooks_run_around``: ``integrations.moe_experts`` graphs
+    * those its class declares in ``_hooks_run_around``: ``integrations.megatron.moe_experts`` graphs
       a program around an experts module that megatron-core calls through
       ``nn.Module.__call__``, which replays the graphs (its submodules' hooks are watched);
     * of a megatron-core layer graphed through its helper's scopes (``routed``), those the
       graphs never run, which run eagerly after the replay
-      (``integrations.megatron.submodules_run_eagerly``)."""
+      (``Extension.submodules_run_eagerly``)."""
     declared = frozenset(getattr(module, "_hooks_run_around", ()))
-    return declared | megatron.submodules_run_eagerly(module) if routed else declared
+    return declared | SEAM.submodules_run_eagerly(module) if routed else declared
 
 
 def global_hooks_run_at_capture_only(module: torch.nn.Module, routed: bool) -> bool:
@@ -81,39 +82,6 @@ _REGRAPH = (
     "again after changing the model: te_graph.reset(...) frees the graphs and gives a module "
     "its eager forward back; then call make_graphed_callables again."
 )
-
-
-class Settings:
-    """The process-wide state a graph's kernels were chosen under: autocast (enabled and
-    dtype, for the graph's device type) and the numerics flags (``compat.numerics_settings``)."""
-
-    def __init__(self, device_type: str):
-        self.device_type = device_type
-        self.captured = self.read()
-
-    def read(self) -> tuple:
-        device = self.device_type
-        enabled = torch.is_autocast_enabled(device)
-        return (enabled, torch.get_autocast_dtype(device) if enabled else None) + compat.numerics_settings()
-
-    def changes(self) -> list[str]:
-        now = self.read()
-        if now == self.captured:
-            return []
-        found = []
-        if now[:2] != self.captured[:2]:
-            found.append(
-                f"autocast on {self.device_type} is {_autocast_text(now[:2])}, but the graph was "
-                f"captured with {_autocast_text(self.captured[:2])}"
-            )
-        for name, then, value in zip(compat.NUMERICS_SETTINGS, self.captured[2:], now[2:]):
-            if then != value:
-                found.append(f"{name} is {value!r}, but was {then!r} at capture")
-        return found
-
-
-def _autocast_text(state: tuple) -> str:
-    return f"on ({state[1]})" if state[0] else "off"
 
 
 class _Slot:
@@ -179,7 +147,7 @@ class FrozenModule:
                     hook_reasons.append(_ROUTED_HOOKS if not prefix else
                                         _ROUTED_SUBMODULE_HOOKS if routed else _SUBMODULE_HOOKS)
                     hook_owners.append(sub)
-            fused = getattr(sub, "fuse_wgrad_accumulation", False) is True
+            fused = SEAM.writes_main_grad(sub)
             for name, p in compat.parameter_slots(sub).items():
                 if p is not None:
                     params.append((_qualified(prefix, name), p))
@@ -218,7 +186,7 @@ class FrozenModule:
         # The hooks megatron-core's helper runs by hand, as the hook tables were last accepted
         # with: a helper that stops running them makes those hooks a change again. Its list
         # object and length stand for it on the hot path (the helper assigns a new list).
-        self._manual = megatron.manual_hooks(module)
+        self._manual = SEAM.manual_hooks(module)
         self._manual_len = len(self._manual or ())
         self._no_hooks = not any(self._hook_sizes)  # the usual case: one integer compare per call
         self._params = tuple(p for _, p in params)
@@ -268,7 +236,7 @@ class FrozenModule:
         compare while no hook was registered anywhere (``compat.hook_handles_made``; where
         torch lacks the counter, -1), else the tables' keys (a hook removed and another added
         keeps a table's size, never its keys)."""
-        manual = megatron.manual_hooks(self.module)
+        manual = SEAM.manual_hooks(self.module)
         if manual is not self._manual or len(manual or ()) != self._manual_len:
             return False
         made = compat.hook_handles_made()
@@ -323,8 +291,8 @@ class FrozenModule:
                 found.append(f"parameter {name!r} {'now requires' if p.requires_grad else 'no longer requires'} grad")
         made = compat.hook_handles_made()
         sizes = tuple(map(len, self._hook_tables))
-        megatron_hooks = megatron.hooks_run_by_hand(self.module)
-        by_hand = megatron.modules_run_by_hand(self.module)
+        megatron_hooks = SEAM.hooks_run_by_hand(self.module)
+        by_hand = SEAM.modules_run_by_hand(self.module)
         for name, kind, reason, owner, table, captured in zip(self._hook_names, self._hook_kinds, self._hook_reasons,
                                                               self._hook_owners, self._hook_tables,
                                                               self._hooks_at_capture):
@@ -345,7 +313,7 @@ class FrozenModule:
             self._hook_sizes = sizes
             self._hook_keys = tuple(map(tuple, self._hook_tables))
             self._handles_made = made
-            self._manual = megatron.manual_hooks(self.module)
+            self._manual = SEAM.manual_hooks(self.module)
             self._manual_len = len(self._manual or ())
             self._no_hooks = not any(sizes)
         return found
@@ -403,18 +371,18 @@ class Fingerprint:
             raise RuntimeError(f"{self.name}: since graphing, {'; '.join(found)}. {_REGRAPH}")
 
 
-def fingerprints(names: Iterable[str], funcs: Iterable[Any], routed: Iterable[bool], device_type: str,
-                 runtime: frozenset, skip_attributes: Any) -> list[Fingerprint]:
-    """One fingerprint per graphed callable, taken when graphing has ended (``routed``: per
-    callable, whether its module's class replays the graphs from its own ``__call__``)."""
+def fingerprints(specs: Sequence[Any], device_type: str, runtime: frozenset) -> list[Fingerprint]:
+    """One fingerprint per graphed callable (``specs``: one ``records.GraphSpec`` each), taken
+    when graphing has ended; modules an integration checks itself keep their Python
+    attributes out of it (``extension.Extension.keeps_own_state``)."""
     settings = Settings(device_type)
     modules: dict[int, FrozenModule] = {}
     result = []
-    for name, func, by_route in zip(names, funcs, routed):
-        frozen = None
+    for spec in specs:
+        func, frozen = spec.func, None
         if isinstance(func, torch.nn.Module):
             frozen = modules.get(id(func))
             if frozen is None:
-                frozen = modules[id(func)] = FrozenModule(func, runtime, skip_attributes, by_route)
-        result.append(Fingerprint(name, settings, frozen))
+                frozen = modules[id(func)] = FrozenModule(func, runtime, SEAM.keeps_own_state, spec.routed)
+        result.append(Fingerprint(spec.name, settings, frozen))
     return result

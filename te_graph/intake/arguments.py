@@ -1,25 +1,19 @@
 """The arguments of ``make_graphed_callables`` in one shape: the call forms (torch's and
-TE's), the sample sets (``sample_args``/``sample_kwargs`` and ``more_shapes``), the pool,
-and from them the frozen specs of the graphs to capture. Nothing here changes any state.
+TE's), the sample sets (``sample_args``/``sample_kwargs`` and ``more_shapes``) and the
+pool. Nothing here changes any state (the specs are ``specs``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 import torch.utils._pytree as pytree
 
+from ..resources import graphed_callable_of
 from .checks import check_sample_kwargs
-from .graphed import graphed_callable_of
-from .hooks import normalise_capture_time_hooks
-from .te_support import FP8Options
-from .options import GraphOptions
-from .records import GraphSpec, SampleMemory, make_spec
-from .resources import RESOURCES
-from .schedule import Schedule
 
-__all__ = ["Samples", "call_form", "sample_sets", "make_specs", "pool_handle", "largest_first", "is_mempool"]
+__all__ = ["Samples", "call_form", "sample_sets", "pool_handle", "is_mempool"]
 
 
 @dataclass(frozen=True)
@@ -62,60 +56,6 @@ def sample_sets(sample_args: Any, sample_kwargs: Any, more_shapes: Sequence[Any]
             )
         check_sample_kwargs(args, kwargs)
     return normalised
-
-
-def make_specs(
-    callables: Sequence[Callable], sets: Sequence[tuple[tuple, tuple]], schedule: Schedule, options: GraphOptions,
-    fp8: FP8Options,
-) -> list[list[GraphSpec]]:
-    """One frozen spec per graph of the schedule, per sample set."""
-    owners = [_name(c, i) for i, c in enumerate(callables)]
-    hooks = normalise_capture_time_hooks(options.capture_time_hooks, owners)
-    grad_enabled = torch.is_grad_enabled()
-    ordered = options.order is not None
-    memory = SampleMemory()
-    # Tied weights: parameters several of these callables use, or that graphs made by an
-    # earlier call accumulate (this call's gradients then go through autograd, and the
-    # earlier graphs' backward refuses the second use: Runner._check_in_graph_backward).
-    shared = _shared_parameters(callables) | RESOURCES.parameters_in_graphs()
-    spec_sets = [
-        [
-            make_spec(
-                owners[slot.callable_index] + (f", microbatch {slot.microbatch}" if ordered else ""),
-                owners[slot.callable_index],
-                callables[slot.callable_index],
-                args[slot.flat_index],
-                kwargs[slot.flat_index],
-                grad_enabled,
-                options.retain_graph_in_backward,
-                hooks[slot.callable_index],
-                fp8.enabled[slot.callable_index],
-                memory,
-                shared,
-            )
-            for slot in schedule.graphs
-        ]
-        for args, kwargs in sets
-    ]
-    _check_distinct_shapes(spec_sets)
-    return spec_sets
-
-
-def _shared_parameters(callables: Sequence[Callable]) -> frozenset:
-    """Ids of the trainable parameters that more than one callable holds (tied weights)."""
-    seen: dict[int, int] = {}
-    for index, c in enumerate(callables):
-        if isinstance(c, torch.nn.Module):
-            for p in c.parameters():
-                if p.requires_grad and seen.setdefault(id(p), index) != index:
-                    seen[id(p)] = -1
-    return frozenset(key for key, owner in seen.items() if owner == -1)
-
-
-def largest_first(spec_sets: Sequence[Sequence[GraphSpec]]) -> list[int]:
-    """The sample sets' indices, largest first: later (smaller) captures then fit into the
-    memory the first one freed."""
-    return sorted(range(len(spec_sets)), key=lambda i: _size(spec_sets[i]), reverse=True)
 
 
 def _variant(entry: Any) -> tuple[Any, Any]:
@@ -201,21 +141,6 @@ class _TensorLeaf:
         return "*"
 
 
-def _check_distinct_shapes(spec_sets: list[list[GraphSpec]]) -> None:
-    for i in range(len(spec_sets[0])):
-        shapes = [tuple(t.shape for t in specs[i].layout.samples) for specs in spec_sets]
-        if len(set(shapes)) != len(shapes):
-            raise ValueError(
-                f"make_graphed_callables: more_shapes repeats the sample shapes of "
-                f"{spec_sets[0][i].name}; each sample set must have its own shapes (the shapes "
-                "pick the graph at call time)."
-            )
-
-
-def _size(specs: list[GraphSpec]) -> int:
-    return sum(t.numel() for s in specs for t in s.layout.samples)
-
-
 def _looks_like_pool(value: Any) -> bool:
     return (
         _is_handle(value)
@@ -256,6 +181,3 @@ def pool_handle(pool: Any, eager_replay: bool) -> Optional[tuple[int, int]]:
     )
 
 
-def _name(func: Callable, index: int) -> str:
-    kind = type(func).__name__ if isinstance(func, torch.nn.Module) else getattr(func, "__name__", "function")
-    return f"callable {index} ({kind})"

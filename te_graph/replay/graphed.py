@@ -9,19 +9,21 @@ from __future__ import annotations
 
 import types
 import warnings
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator
 
 import torch
 
-from .frozen import Fingerprint
-from .records import GraphSpec
-from .replay import Runner, run, shapes_text
-from .resources import RESOURCES
+from ..guards.frozen import Fingerprint
+from ..records import GraphSpec
+from ..resources import RESOURCES, Graphed
+from .function import run
+from .order import shapes_text
+from .runner import Runner
 
-__all__ = ["GraphedCallable", "install_on_module", "graphed_callable_of"]
+__all__ = ["GraphedCallable", "install_on_module"]
 
 
-class GraphedCallable:
+class GraphedCallable(Graphed):
     """One graphed callable (one per callable, or per (layer, microbatch) under an order):
     call it like the original."""
 
@@ -35,14 +37,14 @@ class GraphedCallable:
         self._training = spec.training
         self._eager = spec.func.forward if self._module is not None else spec.call  # the other mode, unseen shapes
         self._unseen_shape = unseen_shape
-        self._fingerprint = fingerprint  # what the graphs froze, checked at every call (``frozen``)
+        self._fingerprint = fingerprint  # what the graphs froze, checked at every call (``guards.frozen``)
         self._warned = False
         self._reset = False
         # Transformer Engine's per-call keyword, taken off the calls of a callable holding TE
         # modules (as TE's graphed callables do) unless it was a captured keyword; and off a
         # megatron-core layer's, whose replay passes it to every graph (``routed``; megatron-core
         # 0.19 ``_get_te_cuda_graph_replay_args``), TE modules in it or not (``transformer_impl="local"``).
-        self._pops_first_microbatch = (spec.has_te or spec.routed) and "is_first_microbatch" not in spec.layout.kw_keys
+        self._pops_first_microbatch = (spec.framework_modules or spec.routed) and "is_first_microbatch" not in spec.layout.kw_keys
         self.pool = pool
         self.replay_order = replay_order  # its pool's replay.ReplayOrder, for calls that share the pool
         self.pool_lease = pool_lease  # resources.PoolLease: its pool stays capturable into while it lives
@@ -95,7 +97,7 @@ class GraphedCallable:
     def backward_dw(self) -> None:
         """Transformer Engine's ``backward_dw()``: the weight-gradient pass of this callable's
         oldest backward still waiting for it, for modules built with
-        ``delay_wgrad_compute=True`` (``wgrad``); nothing for other callables, as in TE."""
+        ``delay_wgrad_compute=True`` (``capture.wgrad``); nothing for other callables, as in TE."""
         if self._reset:
             raise RuntimeError(f"{self.__name__}: backward_dw() after reset(), which freed its graphs.")
         runners = list(self._runners.values())
@@ -158,14 +160,3 @@ def install_on_module(module: torch.nn.Module, graphed: GraphedCallable) -> None
     module.backward_dw = graphed.backward_dw
     if not hasattr(module, "reset"):
         module.reset = graphed.reset
-
-
-def graphed_callable_of(obj: Any) -> Optional[GraphedCallable]:
-    """The GraphedCallable behind ``obj`` (itself, or a module whose forward it is)."""
-    if isinstance(obj, GraphedCallable):
-        return obj
-    if isinstance(obj, torch.nn.Module):
-        forward = obj.__dict__.get("forward")
-        if isinstance(forward, GraphedCallable):
-            return forward
-    return None

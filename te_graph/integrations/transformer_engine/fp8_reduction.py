@@ -30,7 +30,7 @@ from typing import Any, Optional
 
 import torch
 
-from .capture import capturing
+from ...capture.graphs import capturing
 
 __all__ = ["BackwardAmaxReduction"]
 

@@ -9,12 +9,11 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .layout import InputLayout, describe
-from . import compat
-from .frozen import global_hooks_run_at_capture_only, hooks_outside_graphs
-from .integrations import megatron
-from .graphed import graphed_callable_of
-from .te_support import is_quantized_tensor
+from .. import compat
+from ..extension import SEAM
+from ..guards.frozen import global_hooks_run_at_capture_only, hooks_outside_graphs
+from ..layout import InputLayout, describe
+from ..resources import graphed_callable_of
 
 EAGER_REPLAY_HINT = (
     "To debug on a machine without graphs, pass eager_replay=True (or set "
@@ -92,7 +91,7 @@ def check_modules(callables: Sequence[Callable]) -> None:
             continue
         modes.setdefault(c.training, index)
         # A megatron-core layer its helper graphs (routed) runs some submodules only after the replay.
-        routed = megatron.routes_capture(c)
+        routed = SEAM.routes_capture(c)
         outside = hooks_outside_graphs(c, routed)
         global_hooks = [kind for kind, table in compat.global_module_hook_dicts() if table]
         if global_hooks and global_hooks_run_at_capture_only(c, routed):
@@ -104,26 +103,7 @@ def check_modules(callables: Sequence[Callable]) -> None:
             )
         for name, module in c.named_modules():
             where = f"submodule {name!r} of callable {index}" if name else f"callable {index}"
-            # Transformer Engine's modules that accumulate weight gradients into main_grad.
-            fused = getattr(module, "fuse_wgrad_accumulation", False) is True and hasattr(module, "need_backward_dw")
-            weights = {w: getattr(module, w, None) for w in getattr(module, "weight_names", ())} if fused else {}
-            missing = [w for w, p in weights.items() if p is not None and p.requires_grad and not hasattr(p, "main_grad")]
-            if missing:
-                raise ValueError(
-                    f"make_graphed_callables: {where} ({type(module).__name__}) is built with "
-                    f"fuse_wgrad_accumulation=True, but its weight {missing[0]!r} has no main_grad: "
-                    "its backward accumulates the weight gradient into that buffer (Megatron's DDP "
-                    "attaches it). Wrap the model in the DDP that attaches main_grad before graphing, "
-                    "or build the module with fuse_wgrad_accumulation=False."
-                )
-            if fused and module.need_backward_dw():
-                raise NotImplementedError(
-                    f"make_graphed_callables: {where} ({type(module).__name__}) is built with both "
-                    "fuse_wgrad_accumulation=True and delay_wgrad_compute=True: its weight-gradient "
-                    "pass would accumulate into main_grad and flag it (grad_added_to_main_grad) "
-                    "outside the backward, which te_graph does not replay yet. Build it with one of "
-                    "the two."
-                )
+            SEAM.check_module(where, module)  # what an integration refuses of its modules
             hooks = compat.module_hook_dicts(module)
             if hooks and name not in outside:
                 after = ("megatron-core's helper replays the layer's graphs without nn.Module.__call__, so not even "
@@ -137,7 +117,7 @@ def check_modules(callables: Sequence[Callable]) -> None:
                 )
         for name, p in c.named_parameters():
             if (p.requires_grad and type(p).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__
-                    and not is_quantized_tensor(p)):
+                    and not SEAM.is_quantized_parameter(p)):
                 raise ValueError(
                     f"make_graphed_callables: parameter {name!r} of callable {index} is a "
                     f"{type(p).__name__}, a tensor subclass with its own dispatch (a DTensor, "

@@ -55,8 +55,9 @@ import torch
 
 from checkpointing.recompute_state import cuda_stream_capturing
 
-from .. import compat
-from . import megatron
+from ... import compat
+from ...api import reset
+from . import helper
 from .moe_experts import DroplessExperts, padded_layout
 
 __all__ = ["DroplessDispatch", "ExpertExchange", "GroupCounts", "PaddedDispatch", "agreed_refusal", "block_rows", "capacity_shape",
@@ -83,7 +84,7 @@ def dispatch_refusal(layer: torch.nn.Module) -> Optional[str]:
         return (f"each expert is split over ranks (expert tensor-parallel size {dispatcher.tp_size}): the "
                 "dispatcher's gather over them takes split sizes from the host")
     experts = layer.experts
-    scopes = megatron.scope_names(config)
+    scopes = helper.scope_names(config)
     reasons = [
         (getattr(dispatcher, "drop_and_pad", False), "it routes with drop-and-pad"),
         (getattr(config, "moe_expert_capacity_factor", None) is not None,
@@ -174,7 +175,7 @@ class ExpertExchange:
 
 class PaddedDispatch(torch.nn.Module):
     """From the dispatcher's permuted tokens to the combined output, on the padded layout of
-    ``padded_experts`` (a ``moe_experts._Padded``), moved between the ranks by ``exchange``;
+    ``padded_experts`` (a ``moe_experts.PaddedExperts``), moved between the ranks by ``exchange``;
     ``block`` is an empty tensor whose row count is the block rows (rows per expert per rank),
     so that each capacity is a captured shape of one graphed callable (whose checks then cover
     calls of several capacities in flight)."""
@@ -188,7 +189,7 @@ class PaddedDispatch(torch.nn.Module):
 
     @property
     def cuda_graph_manual_hooks(self) -> list:
-        """The padded experts' (``moe_experts._Padded.cuda_graph_manual_hooks``)."""
+        """The padded experts' (``moe_experts.PaddedExperts.cuda_graph_manual_hooks``)."""
         return self.padded_experts.cuda_graph_manual_hooks
 
     def forward(self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
@@ -377,12 +378,10 @@ class DroplessDispatch(DroplessExperts):
 
     def remove(self) -> None:
         """Put megatron-core's methods back and free the graphs."""
-        import te_graph  # noqa: PLC0415
-
         for name in _LAYER_METHODS:
             self.layer.__dict__.pop(name, None)
         self._served, self._combined = None, None
-        te_graph.reset(self.graphed)
+        reset(self.graphed)
 
 
 def module_of(dispatcher: Any) -> Any:

@@ -24,60 +24,26 @@ replay must be refused before the user trains on it:
   So is one it takes to a parameter (a lazy tie made at the first call), which warmup would
   have pointed at a stand-in.
 
-Transformer Engine's modules keep their own per-call state (FP8 meta, workspaces), which
-``te_support`` saves and restores; their Python attributes are not compared here.
+Modules an integration keeps per-call state for (Transformer Engine's FP8 meta, workspaces),
+which
+their integration saves and restores; their Python attributes are not compared here.
 
 Inputs a callable updates in place are watched by :class:`InputUpdates`.
 """
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from . import compat
+from .. import compat
+from ..compat import MODULE_INTERNALS
+from ..memory import shares_memory
 
-__all__ = ["ModuleState", "InputUpdates", "SCALAR_TYPES", "MODULE_INTERNALS", "shares_memory", "module_memory",
-           "in_memory_of", "sharing_memory"]
+__all__ = ["ModuleState", "InputUpdates", "SCALAR_TYPES"]
 
 SCALAR_TYPES = (bool, int, float, str, type(None))
-# nn.Module's own bookkeeping attributes (hook dicts, flags); ``training`` is compared
-# separately where it matters.
-MODULE_INTERNALS = frozenset(torch.nn.Module().__dict__) - {"training"}
-
-
-def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors' storages are one (a view, the same tensor, or a detached one)."""
-    if a.device != b.device or a.device.type == "meta" or b.device.type == "meta":
-        return False
-    try:
-        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() != 0
-    except (RuntimeError, NotImplementedError):  # a tensor subclass without storage
-        return False
-
-
-def module_memory(func: Any) -> tuple[torch.Tensor, ...]:
-    """The parameters and buffers of a graphed module (nothing for a function): an output
-    viewing one is the module's own memory, not the graph's, and its version counter is
-    theirs."""
-    if not isinstance(func, torch.nn.Module):
-        return ()
-    return tuple(func.parameters()) + tuple(func.buffers())
-
-
-def in_memory_of(t: torch.Tensor, tensors: Sequence[torch.Tensor]) -> bool:
-    """Whether ``t`` shares its storage with one of ``tensors`` (``module_memory``)."""
-    return any(shares_memory(t, m) for m in tensors)
-
-
-def sharing_memory(tensors: Sequence[Optional[torch.Tensor]]) -> frozenset:
-    """The indices of the tensors (None and empty ones left out) whose storage another of
-    them shares."""
-    present = [(i, t) for i, t in enumerate(tensors) if t is not None and t.numel()]
-    return frozenset(i for i, t in present if any(j != i and shares_memory(t, u) for j, u in present))
-
-
 class _Attr:
     """One attribute of one submodule of a graphed callable."""
 

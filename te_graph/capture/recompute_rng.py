@@ -34,6 +34,8 @@ import torch
 
 import rng
 
+from ..records import RegionDraws, StreamUse
+
 __all__ = [
     "ForwardDraws", "BackwardDraws", "RegionDraws", "StreamUse", "RecomputeRNG", "NO_RECOMPUTE",
     "TrackerSync", "NO_SYNC",
@@ -42,26 +44,6 @@ __all__ = [
 
 def _offsets(streams: Mapping[str, torch.Generator]) -> dict[str, int]:
     return {key: g.get_offset() for key, g in streams.items()}
-
-
-@dataclass(frozen=True)
-class RegionDraws:
-    """Where one checkpointed region draws, per stream: its offset inside the forward."""
-
-    offsets: dict[str, int]
-
-
-@dataclass(frozen=True)
-class StreamUse:
-    """What the last warmup pass learned about one forward or backward: the live streams
-    (by key), which of them it drew from, and where each checkpointed region drew."""
-
-    streams: dict[str, torch.Generator]
-    used: tuple[str, ...]
-    regions: tuple[RegionDraws, ...] = ()
-
-    def used_generators(self) -> dict[str, torch.Generator]:
-        return {k: self.streams[k] for k in self.used}
 
 
 class ForwardDraws:

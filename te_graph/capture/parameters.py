@@ -25,9 +25,9 @@ from typing import Iterable, Iterator, Optional, Sequence
 
 import torch
 
-from . import compat
-from .layout import describe
-from .te_support import is_quantized_tensor
+from .. import compat
+from ..extension import SEAM
+from ..layout import describe
 
 __all__ = ["StandIns", "ForeignLeaves"]
 
@@ -52,7 +52,7 @@ class StandIns:
                         continue
                     if id(p) not in self.of:
                         stand_in = torch.nn.Parameter(p.detach(), requires_grad=True)
-                        if is_quantized_tensor(p):
+                        if SEAM.is_quantized_parameter(p):
                             # A TE quantized weight keeps its state in Python attributes
                             # that its ops reassign (the FP8 transpose, made at first use,
                             # and its valid flag): shared, so what warmup and capture make

@@ -2,7 +2,8 @@
 
 Accepts Transformer Engine's spellings of the same options (``_order``,
 ``_num_layers_per_chunk``, ``_reuse_graph_input_output_buffers``), so callers written for
-TE work unchanged, and its FP8 arguments (normalised in ``te_support``), and refuses anything else
+TE work unchanged, and the precision arguments of the registered integration (TE's FP8
+ones, normalised there), and refuses anything else
 it does not know, suggesting the close name.
 """
 from __future__ import annotations
@@ -13,7 +14,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from .te_support import FP8_ARGUMENTS
+from ..extension import SEAM
 
 __all__ = ["GraphOptions", "graph_options", "eager_replay_default"]
 
@@ -53,7 +54,7 @@ class GraphOptions:
     unseen_shape: str = "error"
     eager_replay: bool = False
     get_rng_state_tracker: Optional[Callable[[], Any]] = None
-    fp8_arguments: tuple = ()  # TE's FP8 arguments as given, (name, value) pairs (``te_support``)
+    fp8_arguments: tuple = ()  # the precision (TE's FP8) arguments as given, (name, value) pairs
 
 
 def graph_options(te_arguments: Mapping[str, Any], **given: Any) -> GraphOptions:
@@ -68,7 +69,7 @@ def graph_options(te_arguments: Mapping[str, Any], **given: Any) -> GraphOptions
                 raise TypeError(f"make_graphed_callables: got both {target}= and {name}=; pass one of them.")
             if value not in (None, False):
                 options[target] = value
-        elif name in FP8_ARGUMENTS:
+        elif name in SEAM.precision.argument_names:
             fp8.append((name, value))
         else:
             raise TypeError(_unexpected_keyword(name))
@@ -83,7 +84,7 @@ def graph_options(te_arguments: Mapping[str, Any], **given: Any) -> GraphOptions
 
 
 def _unexpected_keyword(name: str) -> str:
-    known = [f.name for f in dataclasses.fields(GraphOptions)] + list(_CALL_FORM_ARGS) + list(_TE_ALIASES) + list(FP8_ARGUMENTS)
+    known = [f.name for f in dataclasses.fields(GraphOptions)] + list(_CALL_FORM_ARGS) + list(_TE_ALIASES) + list(SEAM.precision.argument_names)
     close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
     hint = f"; did you mean {close[0]!r}?" if close else "; see help(te_graph.make_graphed_callables) for the accepted ones."
     return f"make_graphed_callables() got an unexpected keyword argument {name!r}{hint}"

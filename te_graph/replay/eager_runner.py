@@ -1,0 +1,131 @@
+"""Eager replay's runner: the same wrapper as the graphs', no graphs. It runs the callable on
+the static buffers at every call, with the same refusals, so that "is it the graph or my
+model?" has an answer, on a GPU or on a CPU."""
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Any, Callable
+
+import torch
+
+from .. import compat, grads
+from ..capture.parameters import StandIns
+from ..capture.wgrad import check_grads_as_captured
+from ..extension import SEAM
+from ..grads import grads_redirected
+from ..records import GraphSpec, WarmupRecord
+from .copy_in import Slot
+from .order import ReplayContext
+from .outputs import EagerOutputs
+from .runner import OBSERVED, Invocation, Runner
+
+__all__ = ["EagerRunner", "takes_keyword"]
+
+
+def takes_keyword(call: Callable, name: str) -> bool:
+    """Whether ``call`` takes the keyword ``name`` (TE's modules take ``is_first_microbatch``)."""
+    try:
+        return name in inspect.signature(call).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+class EagerRunner(Runner):
+    """Same wrapper, no graphs: runs the callable on the static buffers at every call."""
+
+    def __init__(self, spec: GraphSpec, warmup: WarmupRecord, precision: Any, context: ReplayContext):
+        super().__init__(spec, warmup, context)
+        self.spec = spec
+        self.precision = precision  # the checks a reduced-precision graph's calls get (``Precision.replay``)
+        self.takes_first_microbatch = takes_keyword(spec.call, "is_first_microbatch")
+        self.static_inputs = spec.static_inputs
+        self.input_slots = tuple(map(Slot, spec.static_inputs))
+        self.output = warmup.output
+        self._take_outputs(warmup.output.tensors, warmup.fed)
+        # The parameters whose gradients the graphs always hand to autograd (tied weights;
+        # all with accumulate_grads_in_graph=False) do the same here: the forward runs on
+        # stand-ins for them (``capture.parameters``), whose fresh gradients leave the backward through
+        # the call's autograd node, so every use of one is summed before it reaches .grad.
+        used = [p for i, p in enumerate(spec.params) if i not in warmup.unused_params]
+        routed = used if context.options.always_autograd else [spec.params[i] for i in sorted(spec.tied_params)]
+        self.routed = StandIns([spec.func], only=routed) if routed and isinstance(spec.func, torch.nn.Module) else None
+        if spec.needs_backward:  # unrouted, the real parameters take their gradients in the nested backward
+            self._watch(tuple(used))
+        self.handout = EagerOutputs(self.name, spec)
+
+    def through_autograd(self) -> bool:
+        # Otherwise the real module runs: its parameters' hooks see autograd as usual.
+        return self.routed is not None
+
+    def forward(self, inputs: tuple[torch.Tensor, ...], through_autograd: bool, with_backward: bool = True,
+                is_first_microbatch: Any = None) -> tuple[Invocation, tuple]:
+        spec = self.spec
+        self._before_forward(inputs)
+        self.precision.before_forward(self.name, is_first_microbatch)
+        self._copy_inputs(inputs)
+        tick = self.clock.forward(self.variant, self.shape)
+        self.handout.before_call()
+        args, kwargs = spec.layout.unflatten(self.static_inputs)
+        if is_first_microbatch is not None and self.takes_first_microbatch:
+            kwargs["is_first_microbatch"] = is_first_microbatch  # TE's weight cache, eagerly
+        routed = self.routed is not None and through_autograd
+        self._replaying_forward()
+        with torch.enable_grad() if spec.needs_backward and with_backward else torch.no_grad():
+            with self.routed.installed() if routed else contextlib.nullcontext():
+                outputs = self.output.tensors_of(spec.call(*args, **kwargs))
+        if self.updated:
+            self._copy_back(inputs)
+        # Its grads are the live backward's own tensors, never graph memory: nothing to copy.
+        # Unrouted, the real parameters take their gradients where the graphs would add them in
+        # the graph, unless something observed them at this forward (the graphs then go
+        # through autograd): the same checks at the backward as the graphs'.
+        observed = routed or compat.ddp_forward_active() or grads.hooked(self.accumulated)
+        invocation = Invocation(self.generation, tick, (), (), routed, outputs, False,
+                                OBSERVED if observed else compat.hook_handles_made(),
+                                self.idle_now(inputs) if self.idle_outputs and with_backward else ())
+        detached = self.handout.hand_out(outputs)
+        return (self._issued(invocation) if with_backward else invocation), detached
+
+    def backward(self, invocation: Invocation, grads: tuple) -> tuple:
+        inputs_only = self._before_backward(invocation, grads)
+        self._replaying_backward()
+        pairs = [(o, g) for o, g in zip(invocation.outputs, grads) if o.requires_grad]
+        outputs = [o for o, _ in pairs]
+        grads_ = [torch.zeros_like(o) if g is None else g for o, g in pairs]
+        routed = self.routed(self.params) if invocation.through_autograd else ()
+        if inputs_only:
+            # Only some inputs' gradients are asked for: no parameter takes one (as eager).
+            wanted = [t for t in self.static_inputs if t.requires_grad]
+            found = iter(torch.autograd.grad(outputs, wanted, grads_, retain_graph=self.retains_graph,
+                                             allow_unused=True) if pairs and wanted else ())
+            self._after_backward()
+            self._reused()
+            return tuple(next(found) if t.requires_grad else None for t in self.static_inputs) + (None,) * len(self.anchor)
+        stand_ins = [p for p in routed if p is not None]
+        with grads_redirected(self.spec.grad_inputs + tuple(stand_ins)):
+            if pairs:
+                torch.autograd.backward(outputs, grads_, retain_graph=self.retains_graph)
+            self._after_backward()
+            self._reused()
+            input_grads = tuple(t.grad for t in self.static_inputs)
+            if invocation.through_autograd:
+                return input_grads + tuple(None if s is None else s.grad for s in routed)
+            return input_grads + (None,) * len(self.anchor)
+
+    def _reused(self) -> None:
+        if self.borrowed:
+            self.handout.after_reuse()
+
+    def _run_wgrad(self) -> None:
+        check_grads_as_captured(self.name, self.wgrad, self.spec.params)  # as the graphs check
+        for module in self.wgrad.modules:
+            SEAM.run_backward_dw(module)  # the module's own: its queue holds this backward's work
+
+    def reset(self) -> None:
+        self._forget_order()
+        self.spec = None
+        self.static_inputs = self.input_slots = ()
+        self.output = None
+        self.wgrad, self.has_wgrad = None, False
+
