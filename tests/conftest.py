@@ -2,15 +2,11 @@
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
 
-# Tests import the shared Megatron-style layers from examples/.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import rng  # noqa: E402
+import rng
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -546,10 +546,16 @@ def rng_streams(ctx: Rank) -> dict:
 
 
 # -- the training example under a torchrun-like launch ---------------------------------------------
+ROOT = str(Path(__file__).resolve().parent.parent)
+
+
 def fresh_process_env(ranks: int = 1) -> dict:
-    """The environment of a fresh process (the Megatron examples' and probes'): no torchrun
+    """The environment of a fresh process (the Megatron examples' and probes'): the repository
+    root first on PYTHONPATH (pytest puts it on sys.path of its own process only), no torchrun
     variables of this one, the multi-GPU rules, and with one rank this worker's GPU alone."""
-    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+    path = [ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "NCCL_NVLS_ENABLE": "0",
+           "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
     for name in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(name, None)
     if torch.cuda.is_available() and ranks == 1:

@@ -1,10 +1,11 @@
-"""Reproduce issue 11's exit hang: 2 NCCL ranks, a graphed tensor-parallel block with
+"""Probe for a hang at exit: 2 NCCL ranks, a graphed tensor-parallel block with
 collectives inside its graphs, then ``dist.destroy_process_group()`` with the graphs
-alive, then exit. Not a test (pytest does not collect it); run it on a 2-GPU machine:
+alive, then exit. Not a test (pytest does not collect it); run it on a 2-GPU machine, from
+the repository root (``-m`` puts the root on the path; the spawned ranks inherit it):
 
-    python tests/multi_gpu_teardown_probe.py                 # every mode below
-    python tests/multi_gpu_teardown_probe.py --modes destroy --timeout 60
-    python tests/multi_gpu_teardown_probe.py --cpu        # gloo + eager replay: checks the script only
+    python -m tests.multi_gpu_teardown_probe                      # every mode below
+    python -m tests.multi_gpu_teardown_probe --modes destroy --timeout 60
+    python -m tests.multi_gpu_teardown_probe --cpu                # gloo + eager replay: checks the script only
 
 Each mode runs 2 fresh ranks that log every step (with a timestamp) to
 ``--log-dir/<mode>.rank<r>.log``; a rank still alive after ``--timeout`` seconds is
@@ -33,10 +34,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
 
 _STEP = re.compile(r"\s*\d+\.\d\ds  (.*)")  # a StepLog line: "  12.34s  what happened"
 MODES = ("destroy", "reset-destroy", "gc-destroy", "destroy-os-exit", "no-destroy", "eager")

@@ -3,19 +3,14 @@ the incremental JSON and the PNG, all from hand-made rows (no GPU, nothing timed
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import pytest
 import torch
 
-_BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
-if _BENCH not in sys.path:
-    sys.path.insert(0, _BENCH)
-
-import _targets as T  # noqa: E402
-from _measure import medians_by_label, progress_line  # noqa: E402
-from _report import JsonReport, table_lines, write_png  # noqa: E402
+import _targets as T
+from _measure import medians_by_label, progress_line
+from _report import JsonReport, table_lines, write_png
 
 
 def row(ms=None, mib=None, peak=None, capture=None, error=None) -> dict:

@@ -145,6 +145,5 @@ def main(permute_fusion: bool) -> None:
     print("all calls checked", flush=True)
 
 
-if __name__ == "__main__":
-    sys.path.insert(0, ROOT)
+if __name__ == "__main__":  # launched with the repository root on PYTHONPATH (fresh_process_env)
     main(bool(int(sys.argv[1])))

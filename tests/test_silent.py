@@ -32,7 +32,8 @@ what eager did until then: ``refused`` then, ``silent`` where it ran on.
 Modes: ``eager_replay`` (CPU and CUDA) and ``graphs`` (CUDA only). The tests assert
 ``equal`` or ``refused`` for every case and mode, and, on a GPU, that graphs and eager
 replay land in the same outcome class (eager replay is the debugging mirror of graphs).
-``python tests/test_silent.py`` prints the table for the device this machine has.
+``python -m tests.test_silent`` (from the repository root) prints the table for the device this
+machine has.
 """
 from __future__ import annotations
 
@@ -47,13 +48,11 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import rng  # noqa: E402
-import te_graph  # noqa: E402
-from te_graph import make_graphed_callables  # noqa: E402
-from tests.graph_helpers import weighted_loss  # noqa: E402
-from tests.silent_cases import CASES, Case  # noqa: E402
+import rng
+import te_graph
+from te_graph import make_graphed_callables
+from tests.graph_helpers import weighted_loss
+from tests.silent_cases import CASES, Case
 
 MODES = {"cpu": ("eager_replay",), "cuda": ("eager_replay", "graphs")}
 OUTCOMES = ("equal", "refused", "documented", "silent", "crash")

@@ -14,9 +14,7 @@ otherwise. TE is imported here only.
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -27,8 +25,7 @@ from torch import nn
 import checkpointing
 from te_graph import make_graphed_callables
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-from _pipeline import interleaved_1f1b_order, run_order, with_wgrad_passes  # noqa: E402
+from _pipeline import interleaved_1f1b_order, run_order, with_wgrad_passes
 from tests.test_parity import Trace as ParityTrace
 from tests.test_parity import assert_same as assert_parity
 from tests.graph_helpers import assert_all_equal, weighted_loss
