@@ -10,7 +10,7 @@ import torch
 from .recompute_state import RecomputeState
 
 
-class _Recompute:
+class Recompute:
     """Saved tensors of one checkpointed call, recomputed on first use."""
 
     def __init__(self, function, args, kwargs, state: RecomputeState, recompute_context):
@@ -57,7 +57,7 @@ def run_without_reentrant(
     forward_context: Any, recompute_context: Any,
 ) -> Any:
     """Run ``function`` keeping no activations; its backward recomputes them."""
-    recompute = _Recompute(function, args, kwargs, state, recompute_context)
+    recompute = Recompute(function, args, kwargs, state, recompute_context)
     context = forward_context or contextlib.nullcontext()
     with context, state.forward():
         with torch.autograd.graph.saved_tensors_hooks(recompute.pack, recompute.unpack):

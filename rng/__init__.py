@@ -6,6 +6,7 @@ the live generator objects behind each stream.
 from .states import (
     RNGState,
     default_generator,
+    env_flag,
     generator_registration_required,
     get_rng_state,
     graph_safe_rng_available,
@@ -44,6 +45,7 @@ __all__ = [
     "graph_safe_rng_available",
     "is_graph_safe_rng_state",
     "generator_registration_required",
+    "env_flag",
     "default_generator",
     "get_rng_state",
     "set_rng_state",

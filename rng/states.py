@@ -26,6 +26,7 @@ __all__ = [
     "graph_safe_rng_available",
     "is_graph_safe_rng_state",
     "generator_registration_required",
+    "env_flag",
     "default_generator",
     "snapshot_generator",
     "restore_generator",
@@ -63,11 +64,33 @@ def generator_registration_required() -> bool:
     method = getattr(torch.cuda.CUDAGraph, "register_generator_state", None)
     if method is None:
         return False
-    override = os.environ.get("TE_GRAPH_LAZY_GENERATOR_REGISTRATION")
+    override = env_flag("TE_GRAPH_LAZY_GENERATOR_REGISTRATION")
     if override is not None:
-        return override.strip() not in ("1", "true", "True", "yes")
+        return not override
     doc = (getattr(method, "__doc__", None) or "").lower()
     return "deprecat" not in doc and "no-op" not in doc
+
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def env_flag(name: str) -> bool | None:
+    """The boolean environment variable ``name``: None where unset or empty, else one of
+    ``1/true/yes/on`` or ``0/false/no/off`` (any case). Anything else is a ``ValueError``
+    naming the variable and what it accepts, raised before any state changes."""
+    value = os.environ.get(name)
+    if value is None or not value.strip():
+        return None
+    word = value.strip().lower()
+    if word in _TRUE:
+        return True
+    if word in _FALSE:
+        return False
+    raise ValueError(
+        f"environment variable {name}={value!r} is not a boolean; set it to one of "
+        f"{', '.join(_TRUE)} (on) or {', '.join(_FALSE)} (off), or unset it."
+    )
 
 
 def default_generator(device: torch.device | str | int | None = None) -> torch.Generator:

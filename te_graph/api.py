@@ -19,7 +19,7 @@ from .guards.frozen import fingerprints
 from .intake import checks
 from .intake.arguments import Samples, call_form, is_mempool, pool_handle, sample_sets
 from .intake.options import GraphOptions, eager_replay_default, graph_options
-from .intake.specs import largest_first, make_specs
+from .intake.specs import device_type, largest_first, make_specs
 from .planning.schedule import plan_schedule
 from .records import GraphSpec
 from .replay.eager_runner import EagerRunner
@@ -246,7 +246,8 @@ def _in_given_order(prepared: Prepared, order: list[int]) -> Prepared:
     def back(per_set: Optional[list]) -> Optional[list]:
         return None if per_set is None else [per_set[position[i]] for i in range(len(order))]
 
-    return Prepared(back(prepared.warmups), back(prepared.plans), back(prepared.captured), prepared.runtime_attributes)
+    return prepared._replace(warmups=back(prepared.warmups), plans=back(prepared.plans),
+                             captured=back(prepared.captured))
 
 
 def _wrap(spec_sets: list[list[GraphSpec]], prepared: Prepared, options: GraphOptions, pool: Any,
@@ -258,7 +259,7 @@ def _wrap(spec_sets: list[list[GraphSpec]], prepared: Prepared, options: GraphOp
     )
     clock = Clock() if len(spec_sets) > 1 else NO_CLOCK
     # What each graph froze, checked at every call (``guards``).
-    frozen = fingerprints(spec_sets[0], _device_type(spec_sets[0]), prepared.runtime_attributes)
+    frozen = fingerprints(spec_sets[0], device_type(spec_sets[0]), prepared.runtime_attributes, prepared.reads)
     # The weight-gradient passes waiting, over every graph of the call.
     has_wgrad = any(w.wgrad is not None for warmups in prepared.warmups for w in warmups)
     book = WgradBook(ordered=options.order is not None) if has_wgrad else None
@@ -305,11 +306,3 @@ def _replay_order(given: Any, pool: Any) -> ReplayOrder:
         return shared.replay_order
     key = pool if pool is not None else (pool_handle(given, eager_replay=False) if given is not None else None)
     return RESOURCES.pool_state(key, ReplayOrder) if key is not None else ReplayOrder()
-
-
-def _device_type(specs: list[GraphSpec]) -> str:
-    """The device type the graphs run on (whose autocast state they froze)."""
-    for spec in specs:
-        for t in spec.static_inputs + spec.params:
-            return t.device.type
-    return "cuda" if torch.cuda.is_available() else "cpu"

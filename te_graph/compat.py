@@ -16,6 +16,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.utils.dlpack
 from torch.nn.modules import module as _nn_module
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import rng
 
@@ -44,6 +45,11 @@ __all__ = [
     "is_fake",
     "numerics_settings",
     "NUMERICS_SETTINGS",
+    "sdpa_settings",
+    "SDPA_BACKENDS",
+    "saved_tensor_hooks",
+    "TorchDispatchMode",
+    "draws_random",
     "global_module_hook_dicts",
     "accumulate_grad_node",
     "is_accumulate_grad",
@@ -284,6 +290,31 @@ def numerics_settings() -> tuple:
     return tuple(map(_call, _NUMERICS_GETTERS))
 
 
+# The scaled-dot-product-attention backends allowed (``torch.nn.attention.sdpa_kernel`` sets
+# them; private C getters as for the numerics flags). A getter this torch lacks is left out.
+_SDPA = (("flash", "_get_flash_sdp_enabled"), ("memory-efficient", "_get_mem_efficient_sdp_enabled"),
+         ("math", "_get_math_sdp_enabled"), ("cuDNN", "_get_cudnn_sdp_enabled"),
+         ("overrideable", "_get_overrideable_sdp_enabled"))
+_SDPA_GETTERS = tuple(getattr(torch._C, getter) for _, getter in _SDPA if hasattr(torch._C, getter))
+SDPA_BACKENDS = tuple(name for name, getter in _SDPA if hasattr(torch._C, getter))
+
+
+def sdpa_settings() -> tuple:
+    """Which SDPA backends are allowed now, in the order of ``SDPA_BACKENDS``."""
+    return tuple(map(_call, _SDPA_GETTERS))
+
+
+# The saved-tensor hooks active for every autograd save (``torch.autograd.graph.saved_tensors_hooks``,
+# ``save_on_cpu``): ``torch._C._autograd._top_saved_tensors_default_hooks`` (private,
+# torch >= 2.1; torch/autograd/graph.py pushes and pops them). Where torch lacks it, none.
+_top_saved_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def saved_tensor_hooks() -> Any:
+    """The innermost active default ``(pack, unpack)`` pair, or None."""
+    return _top_saved_hooks(False) if _top_saved_hooks is not None else None
+
+
 def global_module_hook_dicts() -> list[tuple[str, dict]]:
     """nn.Module's global hook dicts (``torch.nn.modules.module._global_forward_hooks`` and
     its siblings, private; ``register_module_forward_hook`` and friends fill them): hooks
@@ -291,6 +322,20 @@ def global_module_hook_dicts() -> list[tuple[str, dict]]:
     kinds = (("forward_hooks", "_global_forward_hooks"), ("forward_pre_hooks", "_global_forward_pre_hooks"),
              ("backward_hooks", "_global_backward_hooks"), ("backward_pre_hooks", "_global_backward_pre_hooks"))
     return [(kind, getattr(_nn_module, name)) for kind, name in kinds if isinstance(getattr(_nn_module, name, None), dict)]
+
+
+# -- watching a forward's device ops --------------------------------------------------------
+# ``TorchDispatchMode`` (``torch.utils._python_dispatch``, private, torch >= 1.13; torch's own
+# FlopCounterMode and checkpoint's selective recompute build on it, imported above) sees every
+# device op a forward dispatches; ops tagged ``nondeterministic_seeded`` (``torch.Tag``,
+# torch >= 2.0) draw random numbers.
+
+_SEEDED = getattr(getattr(torch, "Tag", None), "nondeterministic_seeded", None)
+
+
+def draws_random(op: Any) -> bool:
+    """Whether the aten overload ``op`` draws random numbers."""
+    return _SEEDED is not None and _SEEDED in getattr(op, "tags", ())
 
 
 # -- what the running backward will do ------------------------------------------------------

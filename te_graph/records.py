@@ -138,6 +138,8 @@ class WarmupRecord:
     # torch's built-in nodes (``warmup.outputs_reaching_inputs``): at a call where none of
     # them requires grad, that output requires none, as in eager code.
     idle_outputs: tuple = ()
+    # It computes other values under torch.no_grad() (a fast path): calls under no_grad run eagerly.
+    grad_mode_dependent: bool = False
 
 
 @dataclass(frozen=True)

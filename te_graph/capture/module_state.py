@@ -102,6 +102,7 @@ class ModuleState:
         self._versions = [compat.version_of(p) for *_, p in self._params]
         self._last = self._observe()  # what the previous pass left
         self._passes = 0
+        self._sums = [self._state_sums()]  # per pass: what each module's own tensors hold (``_check_first_call``)
 
     # -- after each pass ---------------------------------------------------------------------
     def after_pass(self, executed: bool) -> None:
@@ -115,9 +116,13 @@ class ModuleState:
                 before = self._last.get(key)
                 if before is not None and _changed(before[1], value):
                     raise ValueError(_change_message(attr, before[1], value))
-        self._last = now
         if executed:
             self._check_parameters()
+            if self._passes < 2:
+                self._sums.append(self._state_sums())
+            if self._passes == 1:
+                self._check_first_call(now)
+        self._last = now
         self._passes += 1
 
     def _observe(self) -> dict:
@@ -135,6 +140,48 @@ class ModuleState:
                 elif isinstance(value, (list, tuple, dict, set)):
                     seen[(id(sub), key)] = (_Attr(owner, sub, key, prefix), ("container", _shape_of(value)))
         return seen
+
+    def _state_sums(self) -> dict:
+        """Per watched module, the sums of its own parameters and buffers (a change detector
+        of their values, whichever way they were written: ``.data`` bypasses version counters)."""
+        counts, parts = [], []
+        with torch.no_grad():
+            for _, _, sub in self._watched:
+                own = [t for t in list(sub._parameters.values()) + list(sub._buffers.values())
+                       if isinstance(t, torch.Tensor) and t.numel() and t.dtype.is_floating_point]
+                counts.append((id(sub), len(own)))
+                parts += [t.detach().float().sum() for t in own]
+            # One wait for all of them (on the first one's device).
+            values = torch.stack([p.to(parts[0].device) for p in parts]).tolist() if parts else []
+        sums, start = {}, 0
+        for key, count in counts:
+            if count:
+                sums[key] = values[start:start + count]
+            start += count
+        return sums
+
+    def _check_first_call(self, now: dict) -> None:
+        """After the second pass: a module whose first forward set a Python attribute for good
+        and wrote its own parameters or buffers, which its second left alone, initialises
+        itself from its first call's data (an ActNorm's data-dependent init). Warmup made
+        that call on the sample (and its buffers are put back after warmup), where eager code
+        makes it on the first real batch: refused."""
+        before, first, second = self._sums
+        for owner, prefix, sub in self._watched:
+            key = id(sub)
+            if key not in first or _same_sums(before[key], first[key]) or not _same_sums(first[key], second[key]):
+                continue
+            saved = next(d for (*_, m), d in zip(self._watched, self._saved_dicts) if m is sub)
+            set_once = [k for k, (attr, value) in now.items() if k[0] == key
+                        and (k[1] not in saved or (value[0] == "value" and not _same_value(saved[k[1]], value[1])))]
+            if set_once:
+                where = f"{prefix}.{set_once[0][1]}" if prefix else set_once[0][1]
+                raise ValueError(
+                    f"make_graphed_callables: the forward of {owner} initialises {prefix or 'the module'!r} from its "
+                    f"first call (it wrote its parameters or buffers and set {where!r}, and its next call did "
+                    "neither); warmup made that first call on the sample inputs, where eager code makes it on your "
+                    "first batch. Run one eager step (or initialise the module) before graphing it."
+                )
 
     def _check_parameters(self) -> None:
         """Parameters the forward updated in place: only nn.Embedding's (and EmbeddingBag's)
@@ -291,6 +338,10 @@ def _change_message(attr: _Attr, before: tuple, after: tuple) -> str:
         "replay it would keep its value. Keep such state in a tensor buffer updated in place "
         "(register_buffer and `.add_(1)`), or change it outside the graphed forward."
     )
+
+
+def _same_sums(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(x == y or (x != x and y != y) for x, y in zip(a, b))  # NaN equals NaN
 
 
 def _same_value(a: Any, b: Any) -> bool:

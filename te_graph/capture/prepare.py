@@ -27,14 +27,17 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 
 import rng
+from checkpointing.torch_routing import torch_checkpoint_routed
 
 from ..extension import SEAM
 from ..grads import ParamGrads
+from ..intake.specs import device_type
 from ..planning.buffers import GraphLayout, TensorMeta, plan_capture
 from ..planning.schedule import WGRAD, Step, with_wgrad_passes_last
 from ..records import CapturedGraph, GraphPlan, GraphSpec, WarmupRecord
 from ..resources import RESOURCES
 from .graphs import capture_graphs
+from .host_state import HostState
 from .module_state import InputUpdates, ModuleState
 from .parameters import StandIns
 from .session import CaptureOptions, CaptureSession
@@ -46,13 +49,15 @@ __all__ = ["CaptureOptions", "Prepared", "prepare_graphs"]
 
 class Prepared(NamedTuple):
     """Per sample set, per graph: its warmup record, its plan, and its captured graph
-    (``captured`` is None in eager replay, which plans but captures nothing); and the
-    modules' Python attributes the forwards set (``ModuleState.runtime_attributes``)."""
+    (``captured`` is None in eager replay, which plans but captures nothing); the modules'
+    Python attributes the forwards set (``ModuleState.runtime_attributes``) and what the
+    forwards read (per callable)."""
 
     warmups: list[list[WarmupRecord]]
     plans: list[tuple[GraphPlan, ...]]
     captured: Optional[list[list[CapturedGraph]]]
     runtime_attributes: frozenset = frozenset()
+    reads: dict = {}  # per callable (owner): what its forwards read (``guards.reads.ForwardReads``)
 
 
 def prepare_graphs(spec_sets: Sequence[Sequence[GraphSpec]], steps: Sequence[Step], options: CaptureOptions) -> Prepared:
@@ -67,6 +72,7 @@ def prepare_graphs(spec_sets: Sequence[Sequence[GraphSpec]], steps: Sequence[Ste
     delayed = delayed_modules_in(list(modules.values()))
     check_no_queued_work(delayed, "when graphing starts; run it first (warmup would take that work for its own)")
     session = CaptureSession(StandIns(modules.values()), ModuleState(modules, SEAM.keeps_own_state), InputUpdates(),
+                             HostState(device_type(specs)),
                              SEAM.precision.capture(options.precision, list(modules.values())))
     state, stand_ins = session.state, session.stand_ins
     snapshot = rng.snapshot_streams(options.tracker)
@@ -85,7 +91,11 @@ def prepare_graphs(spec_sets: Sequence[Sequence[GraphSpec]], steps: Sequence[Ste
         gc.disable()
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             precision = session.precision
-            with stand_ins.installed(), precision.active() if precision is not None else contextlib.nullcontext():
+            # torch's own checkpoint recomputes with exact random streams inside the graphs
+            # (``checkpointing.torch_routing``); eager replay runs it as it is, exact eagerly.
+            routed = torch_checkpoint_routed() if not options.eager_replay else contextlib.nullcontext()
+            with stand_ins.installed(), precision.active() if precision is not None else contextlib.nullcontext(), \
+                    routed:
                 if options.pre_warmup_hook is not None:
                     options.pre_warmup_hook()
                 with stand_ins.scratch_main_grads():
@@ -96,7 +106,7 @@ def prepare_graphs(spec_sets: Sequence[Sequence[GraphSpec]], steps: Sequence[Ste
                 plans = [_plan(shape_specs, records, steps, options) for shape_specs, records in zip(spec_sets, warmups)]
                 if options.eager_replay:
                     succeeded = True
-                    return Prepared(warmups, plans, None, state.runtime_attributes())
+                    return Prepared(warmups, plans, None, state.runtime_attributes(), session.reads)
                 # Warmup's activations, cached on the side stream, would otherwise stay
                 # reserved beside the pool for the life of the process (torch's own
                 # capture empties the cache too).
@@ -110,13 +120,14 @@ def prepare_graphs(spec_sets: Sequence[Sequence[GraphSpec]], steps: Sequence[Ste
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         succeeded = True
-        return Prepared(warmups, plans, captured, state.runtime_attributes())
+        return Prepared(warmups, plans, captured, state.runtime_attributes(), session.reads)
     finally:
         if gc_enabled:
             gc.enable()
         rng.restore_streams(options.tracker, snapshot)
         state.restore(succeeded)
         session.updates.restore()
+        session.host.restore()
         SEAM.forget_stand_in_caches(list(modules.values()))
         drop_queued_work(delayed)  # empty unless graphing failed between a backward and its pass
 
@@ -202,6 +213,14 @@ def _place_wgrad(specs: Sequence[GraphSpec], warmups: Sequence[WarmupRecord], st
             "each backward -c of its chunk (one layer per chunk, as TE requires)."
         )
     return with_wgrad_passes_last(steps, set(missing)) if missing else tuple(steps)
+
+
+def _device_type(specs: Sequence[GraphSpec]) -> str:
+    """The device type the callables run on (their inputs' or parameters')."""
+    for spec in specs:
+        for t in spec.static_inputs + spec.params:
+            return t.device.type
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _unique_modules(specs: Sequence[GraphSpec]) -> dict[str, torch.nn.Module]:

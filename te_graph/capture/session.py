@@ -3,9 +3,10 @@ run with, and the state they hold while they run (``CaptureSession``), made once
 ``prepare.prepare_graphs`` and passed whole."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from .host_state import HostState
 from .module_state import InputUpdates, ModuleState
 from .parameters import StandIns
 
@@ -49,4 +50,6 @@ class CaptureSession:
     stand_ins: StandIns  # the parameters' stand-ins, installed in the modules
     state: ModuleState  # the modules' buffers and attributes, compared after each pass
     updates: InputUpdates  # inputs the forwards update in place
+    host: HostState  # the host's random streams and the tensors outside the modules
     precision: Any = None  # the precision's capture steps (``extension.Precision.capture``), or None
+    reads: dict = field(default_factory=dict)  # per callable (owner): what its forwards read (``guards.reads``)

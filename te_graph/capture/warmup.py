@@ -16,12 +16,13 @@ result is one ``WarmupRecord`` per graph.
 from __future__ import annotations
 
 import contextlib
-from typing import Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
 from .. import compat
 from ..extension import SEAM
+from ..guards.reads import ForwardReads, reads_recorded
 from ..layout import OutputLayout
 from ..memory import shares_memory
 from ..planning.schedule import FORWARD, Step
@@ -65,8 +66,14 @@ def _one_graph(spec: GraphSpec, learned: dict, first: bool, last: bool, device: 
     stash = precision.recompute_stash() if probing and reduced else None
     step = GraphPass(spec, session, options.tracker, device,
                      delayed_wgrad_modules(learned.get("framework_modules", ())), learned.get("wgrad"))
-    with leaves if leaves is not None else contextlib.nullcontext():
-        with visiting as modules, guard:
+    module = [spec.func] if isinstance(spec.func, torch.nn.Module) else []
+    recording = reads_recorded(module, session.reads.setdefault(spec.owner, ForwardReads())) if first \
+        else contextlib.nullcontext()
+    # The first pass watches what the forward touches outside its modules (``host_state``).
+    host = session.host.watching(spec.name, options.tracker, _module_tensors(spec, stand_ins)) if first \
+        else contextlib.nullcontext()
+    with recording, leaves if leaves is not None else contextlib.nullcontext():
+        with visiting as modules, guard, host, _first_forward(spec.name) if first else contextlib.nullcontext():
             outputs, forward_use = run_forward(step, leaves)
         if modules is not None:
             learned["framework_modules"] = tuple(modules)
@@ -107,6 +114,8 @@ def _one_graph(spec: GraphSpec, learned: dict, first: bool, last: bool, device: 
                 learned["unused_params"] = idle
                 learned["fused_params"] = fused
         del outputs
+    if first and spec.needs_backward:
+        learned["grad_mode_dependent"] = has_grad_mode_fast_path(spec.func)
     if device is not None:
         learned["forward_draws"], learned["backward_draws"] = forward_use, backward_use
 
@@ -160,3 +169,49 @@ def _check_unused(spec: GraphSpec, unused: tuple[int, ...], allow_unused_input: 
         "requires_grad=False."
     )
 
+
+def _module_tensors(spec: GraphSpec, stand_ins: Any) -> list[torch.Tensor]:
+    """The tensors a forward may update in place that are its own: its static inputs, its
+    modules' parameters (and their stand-ins), buffers and tensor attributes (one container
+    deep: Transformer Engine keeps its FP8 meta in a dict)."""
+    found = list(spec.static_inputs) + [s for s in stand_ins(spec.params) if s is not None]
+    if isinstance(spec.func, torch.nn.Module):
+        for m in spec.func.modules():
+            found += list(m.parameters(recurse=False)) + list(m.buffers(recurse=False))
+            for value in list(m.__dict__.values()):
+                items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else (value,)
+                found += [t for t in items if isinstance(t, torch.Tensor)]
+    return found
+
+
+@contextlib.contextmanager
+def _first_forward(name: str) -> Iterator[None]:
+    """The first forward on the sample inputs: an error torch raises there (a dtype the
+    module does not take, a meta tensor) is told as the forward's; autograd's refusal of an
+    in-place update of an input that requires grad becomes te_graph's."""
+    try:
+        yield
+    except RuntimeError as error:
+        if "a leaf Variable that requires grad is being used in an in-place operation" in str(error):
+            raise ValueError(
+                f"make_graphed_callables: the forward of {name} updates an input that requires grad in place (an "
+                "in-place dropout or activation on its input?). A graph cannot replay what autograd records for an "
+                "in-place update of a differentiable input: the caller's tensor would get the new values without "
+                "their history. Use the out-of-place op (inplace=False), or pass that input without grad."
+            ) from error
+        if not str(error).startswith(("make_graphed_callables", "checkpoint")) and hasattr(error, "add_note"):
+            error.add_note(f"(te_graph: raised by the forward of {name} on its sample inputs, in the first warmup "
+                           "pass of make_graphed_callables; the same call would raise eagerly)")
+        raise
+
+
+# torch's modules whose forward takes another path under torch.no_grad() (a fused "fast path",
+# other kernels, other rounding) where it takes the differentiable one with grad enabled.
+_FAST_PATHS = (torch.nn.MultiheadAttention, torch.nn.TransformerEncoderLayer, torch.nn.TransformerEncoder)
+
+
+def has_grad_mode_fast_path(func: Any) -> bool:
+    """Whether ``func`` holds a module that computes otherwise under ``torch.no_grad()``: a
+    call under no_grad then runs it eagerly, as eager code would, instead of replaying the
+    differentiable program captured with grad enabled."""
+    return isinstance(func, torch.nn.Module) and any(isinstance(m, _FAST_PATHS) for m in func.modules())

@@ -30,7 +30,6 @@ tensors' contents.
 """
 from __future__ import annotations
 
-import itertools
 import operator
 from typing import Any, Optional, Sequence
 
@@ -40,41 +39,22 @@ from .. import compat
 from ..compat import MODULE_INTERNALS
 from ..extension import SEAM
 from ..layout import describe_value
+from .hooks import (
+    HOOK_KINDS, ROUTED_HOOKS, ROUTED_SUBMODULE_HOOKS, SUBMODULE_HOOKS, global_hooks_run_at_capture_only,
+    hooks_outside_graphs, leaving_out, same_objects,
+)
+from .reads import SDPA, ForwardReads, watched_names
 from .settings import Settings
 
-__all__ = ["FrozenModule", "Fingerprint", "hooks_outside_graphs", "global_hooks_run_at_capture_only"]
+__all__ = ["FrozenModule", "Fingerprint", "fingerprints"]
 
 # Attribute values compared by identity at every call (a new object equal to the old one
 # is taken in on the slow path). Integers are left out: frameworks keep per-call counters
 # on layers (Megatron's ``current_microbatch``).
 _WATCHED = (bool, float, str, type(None))
-_HOOK_KINDS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _getitem = operator.getitem
 _requires_grad = operator.attrgetter("requires_grad")
 _data_ptr = torch.Tensor.data_ptr
-
-
-def hooks_outside_graphs(module: torch.nn.Module, routed: bool) -> frozenset:
-    """The submodules (qualified names) of a graphed module whose own hooks run outside its
-    graphs, never inside them, so that they are neither refused at graphing nor watched after:
-
-    * those its class declares in ``_hooks_run_around``: ``integrations.megatron.moe_experts`` graphs
-      a program around an experts module that megatron-core calls through
-      ``nn.Module.__call__``, which replays the graphs (its submodules' hooks are watched);
-    * of a megatron-core layer graphed through its helper's scopes (``routed``), those the
-      graphs never run, which run eagerly after the replay
-      (``Extension.submodules_run_eagerly``)."""
-    declared = frozenset(getattr(module, "_hooks_run_around", ()))
-    return declared | SEAM.submodules_run_eagerly(module) if routed else declared
-
-
-def global_hooks_run_at_capture_only(module: torch.nn.Module, routed: bool) -> bool:
-    """Whether hooks for every module (``torch.nn.modules.module.register_module_*``) would
-    run for a graphed module only while its graphs are captured: for its submodules, and for
-    a megatron-core layer (``routed``) not even around its replays. Around a module without
-    submodules, called through ``nn.Module.__call__``, they run as in eager: refused at
-    graphing (``checks.check_modules``) and watched after only where this holds."""
-    return routed or next(itertools.islice(module.modules(), 1, None), None) is not None
 
 
 _REGRAPH = (
@@ -96,11 +76,16 @@ class _Slot:
 class FrozenModule:
     """The fingerprint of one graphed module: what its graphs read of it."""
 
-    def __init__(self, module: torch.nn.Module, runtime: frozenset, skip_attributes: Any, routed: bool = False):
+    def __init__(self, module: torch.nn.Module, runtime: frozenset, skip_attributes: Any, routed: bool = False,
+                 reads: Optional[ForwardReads] = None):
         """``routed``: the module's class replays the graphs from its own ``__call__``, before
         ``nn.Module.__call__`` would run the module's hooks (megatron-core's layers), so hooks
-        on the module itself never run at replay either."""
+        on the module itself never run at replay either. ``reads``: what its forwards read
+        (``reads``): the attributes compared are those; without it, every attribute of a
+        watched type."""
         self.module = module
+        reads = reads if reads is not None else ForwardReads()
+        recorded: list[torch.nn.Module] = []  # modules whose reads are known
         slots: list[_Slot] = []
         values: list[Any] = []
         hook_tables: list[dict] = []
@@ -112,6 +97,7 @@ class FrozenModule:
         main_grads: list[tuple[str, torch.Tensor]] = []
         tensor_slots: list[_Slot] = []  # plain tensor attributes: the graphs read them by address
         tensor_values: list[torch.Tensor] = []
+        buffers: list[tuple[str, torch.Tensor]] = []  # read by address: `.data = ...` moves one
         outside = hooks_outside_graphs(module, routed)
         seen: set[int] = set()
         for prefix, sub in module.named_modules():
@@ -119,33 +105,42 @@ class FrozenModule:
                 continue
             seen.add(id(sub))
             where = f"submodule {prefix!r}" if prefix else "the module"
+            script = isinstance(sub, torch.jit.ScriptModule)  # C++ tables: wrappers handing out new objects
             for table, kind in ((compat.parameter_slots(sub), "parameter"), (compat.buffer_slots(sub), "buffer"),
-                                (sub._modules, "submodule")):
+                                (sub._modules, "submodule")) if not script else ():
                 for key, value in table.items():
                     slots.append(_Slot(table, key, f"{kind} {_qualified(prefix, key)!r}"))
                     values.append(value)
             attributes = sub.__dict__
             slots.append(_Slot(attributes, "training", where))
             values.append(sub.training)
-            if not skip_attributes(sub):
-                for key, value in attributes.items():
-                    if key in MODULE_INTERNALS or key == "training" or (id(sub), key) in runtime:
-                        continue
-                    if type(value) in _WATCHED:
-                        slots.append(_Slot(attributes, key, f"attribute {key!r} of {where}"))
-                        values.append(value)
-                    elif type(value) is torch.Tensor:
-                        tensor_slots.append(_Slot(attributes, key, f"attribute {key!r} of {where}"))
-                        tensor_values.append(value)
+            if id(sub) in reads.recorded:
+                recorded.append(sub)
+                names = watched_names(reads, sub, runtime)
+            elif not skip_attributes(sub) and not script:
+                names = [k for k, v in attributes.items() if (type(v) in _WATCHED or type(v) is torch.Tensor)
+                         and k not in MODULE_INTERNALS and k != "training" and (id(sub), k) not in runtime]
+            else:
+                names = []
+            for key in names:
+                value = attributes[key]
+                if type(value) is torch.Tensor:
+                    tensor_slots.append(_Slot(attributes, key, f"attribute {key!r} of {where}"))
+                    tensor_values.append(value)
+                elif type(value) is not int:  # frameworks keep per-call counters in ints
+                    slots.append(_Slot(attributes, key, f"attribute {key!r} of {where}"))
+                    values.append(value)
+            buffers.extend((_qualified(prefix, k), b) for k, b in compat.buffer_slots(sub).items()
+                           if type(b) is torch.Tensor)
             # The graphed module's own hooks run around the graphed forward, unless its class
             # routes the call to the graphs before nn.Module.__call__ runs them.
             if (prefix or routed) and prefix not in outside:
-                for kind in _HOOK_KINDS:
+                for kind in HOOK_KINDS:
                     hook_tables.append(getattr(sub, kind))
                     hook_names.append(f"{kind[1:].replace('_', ' ')} on {where}")
                     hook_kinds.append(kind)
-                    hook_reasons.append(_ROUTED_HOOKS if not prefix else
-                                        _ROUTED_SUBMODULE_HOOKS if routed else _SUBMODULE_HOOKS)
+                    hook_reasons.append(ROUTED_HOOKS if not prefix else
+                                        ROUTED_SUBMODULE_HOOKS if routed else SUBMODULE_HOOKS)
                     hook_owners.append(sub)
             fused = SEAM.writes_main_grad(sub)
             for name, p in compat.parameter_slots(sub).items():
@@ -162,7 +157,7 @@ class FrozenModule:
             hook_tables.append(table)
             hook_names.append(f"global module {kind} (torch.nn.modules.module.register_module_{kind[:-1]})")
             hook_kinds.append(kind)
-            hook_reasons.append(_ROUTED_SUBMODULE_HOOKS if routed else _SUBMODULE_HOOKS)
+            hook_reasons.append(ROUTED_SUBMODULE_HOOKS if routed else SUBMODULE_HOOKS)
             hook_owners.append(None)
         self._slots = tuple(slots)
         self._tables = tuple(s.table for s in slots)
@@ -194,13 +189,22 @@ class FrozenModule:
         self._grads = tuple(map(_requires_grad, self._params))
         # Only plain tensors have a data pointer of their own (TE's quantized weights are
         # wrapper subclasses: their identity and requires_grad are compared).
-        addressed = [(n, p) for n, p in params if type(p) in (torch.Tensor, torch.nn.Parameter)]
+        addressed = [(f"parameter {n!r}", p) for n, p in params if type(p) in (torch.Tensor, torch.nn.Parameter)]
+        addressed += [(f"buffer {n!r}", b) for n, b in buffers]
         self._addressed = tuple(p for _, p in addressed)
         self._addressed_names = tuple(n for n, _ in addressed)
         self._pointers = tuple(map(_data_ptr, self._addressed))
         self._main_grads = tuple(g for _, g in main_grads)
         self._main_grad_names = tuple(n for n, _ in main_grads)
         self._main_grad_pointers = tuple(map(_data_ptr, self._main_grads))
+        # The modules whose reads are known: their class and how many instance attributes they
+        # hold (a new one may shadow what the forward reads from the class: a patched forward).
+        self._recorded = tuple(recorded)
+        self._classes = tuple(map(type, recorded))
+        self._dicts = tuple(m.__dict__ for m in recorded)
+        self._lengths = tuple(map(len, self._dicts))
+        self._class_reads = tuple(frozenset(reads.class_names.get(id(m), ())) for m in recorded)
+        self._names = {id(m): name for name, m in module.named_modules()}
 
     def matches(self) -> bool:
         """The hot path: True when nothing the graphs read of the module changed."""
@@ -213,6 +217,8 @@ class FrozenModule:
                 and tuple(map(_data_ptr, self._addressed)) == self._pointers
                 and tuple(map(_data_ptr, self._main_grads)) == self._main_grad_pointers
                 and tuple(map(_requires_grad, self._params)) == self._grads
+                and tuple(map(len, self._dicts)) == self._lengths
+                and tuple(map(type, self._recorded)) == self._classes
                 and (self._still_no_hooks() if self._no_hooks else self._same_hooks())
             )
         except (KeyError, RuntimeError):  # an attribute was deleted; a tensor compared by value
@@ -279,8 +285,9 @@ class FrozenModule:
                 found.append(f"{slot.what} is {now!r}, but was {then!r} at capture")
         for name, p, then in zip(self._addressed_names, self._addressed, self._pointers):
             if p.data_ptr() != then:
-                found.append(f"parameter {name!r} now lies at another address (p.data = ..., or the module was "
-                             "moved or cast)")
+                found.append(f"{name} now lies at another address ({name[0]}.data = ..., or the module was moved "
+                             "or cast)")
+        found += self._class_changes()
         for name, g, then in zip(self._main_grad_names, self._main_grads, self._main_grad_pointers):
             if g.data_ptr() != then:
                 found.append(f"main_grad of parameter {name!r} now lies at another address (megatron-core DDP's "
@@ -297,13 +304,13 @@ class FrozenModule:
                                                               self._hook_owners, self._hook_tables,
                                                               self._hooks_at_capture):
             now = tuple(table.values())
-            if _same(now, captured):
+            if same_objects(now, captured):
                 continue
             # Forward pre-hooks of megatron-core's DDP where they are run by hand before each
             # replay (megatron-core's TECudaGraphHelper) or do nothing (no parameters of its own).
             if (kind == "_forward_pre_hooks" and owner is not None
                     and (id(owner) in by_hand or next(owner.parameters(recurse=False), None) is None)
-                    and _same(_leaving_out(now, megatron_hooks), _leaving_out(captured, megatron_hooks))):
+                    and same_objects(leaving_out(now, megatron_hooks), leaving_out(captured, megatron_hooks))):
                 continue
             counts = f"{len(captured)} -> {len(now)}" + (", other hooks" if len(now) == len(captured) else "")
             found.append(f"{name} changed ({counts}); {reason}")
@@ -316,6 +323,21 @@ class FrozenModule:
             self._manual = SEAM.manual_hooks(self.module)
             self._manual_len = len(self._manual or ())
             self._no_hooks = not any(sizes)
+            self._lengths = tuple(map(len, self._dicts))
+        return found
+
+    def _class_changes(self) -> list[str]:
+        """A module's class swapped, or an instance attribute shadowing a name the forward
+        read from the class (``forward`` patched on the instance, a method replaced)."""
+        found = []
+        for module, cls, names in zip(self._recorded, self._classes, self._class_reads):
+            where = self._names.get(id(module)) or "the module"
+            if type(module) is not cls:
+                found.append(f"the class of {where!r} is now {type(module).__name__}, not {cls.__name__}")
+            shadowed = sorted(names & module.__dict__.keys())
+            if shadowed:
+                found.append(f"{where!r} has an instance attribute {shadowed[0]!r} now, which hides what its forward "
+                             f"read from its class at capture (a forward or method patched on the instance)")
         return found
 
 
@@ -326,24 +348,6 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a`` lies where ``b`` does, laid out alike (what a graph reads of it)."""
     return (a.data_ptr(), a.shape, a.stride(), a.dtype, a.device) == (b.data_ptr(), b.shape, b.stride(), b.dtype,
                                                                          b.device)
-
-
-_SUBMODULE_HOOKS = ("hooks on a submodule run only while a graph is captured, never at replay (hooks on the "
-                    "graphed module itself run around the graphed forward)")
-_ROUTED_SUBMODULE_HOOKS = ("hooks on a submodule the layer's graphs run are run only while the graphs are captured, "
-                           "never at replay")
-_ROUTED_HOOKS = ("megatron-core's __call__ replays this layer's graphs without nn.Module.__call__, so hooks on the "
-                 "layer itself never run at replay, while an eager run would run them; remove the hook (a hook "
-                 "that must run belongs outside the graphed layer, on the module that calls it)")
-
-
-def _same(a: tuple, b: tuple) -> bool:
-    """The same objects, in order (identity: a hook's ``__eq__`` is its own business)."""
-    return len(a) == len(b) and all(map(operator.is_, a, b))
-
-
-def _leaving_out(hooks: tuple, codes: frozenset) -> tuple:
-    return tuple(h for h in hooks if getattr(h, "__code__", None) not in codes)
 
 
 def _qualified(prefix: str, name: str) -> str:
@@ -371,18 +375,19 @@ class Fingerprint:
             raise RuntimeError(f"{self.name}: since graphing, {'; '.join(found)}. {_REGRAPH}")
 
 
-def fingerprints(specs: Sequence[Any], device_type: str, runtime: frozenset) -> list[Fingerprint]:
+def fingerprints(specs: Sequence[Any], device_type: str, runtime: frozenset, reads: dict) -> list[Fingerprint]:
     """One fingerprint per graphed callable (``specs``: one ``records.GraphSpec`` each), taken
-    when graphing has ended; modules an integration checks itself keep their Python
-    attributes out of it (``extension.Extension.keeps_own_state``)."""
-    settings = Settings(device_type)
+    when graphing has ended: what its forwards read (``reads``, per callable), less what an
+    integration checks itself (``extension.Extension.keeps_own_state``)."""
     modules: dict[int, FrozenModule] = {}
     result = []
     for spec in specs:
         func, frozen = spec.func, None
+        read = reads.get(spec.owner)
         if isinstance(func, torch.nn.Module):
             frozen = modules.get(id(func))
             if frozen is None:
-                frozen = modules[id(func)] = FrozenModule(func, runtime, SEAM.keeps_own_state, spec.routed)
-        result.append(Fingerprint(spec.name, settings, frozen))
+                frozen = modules[id(func)] = FrozenModule(func, runtime, SEAM.keeps_own_state, spec.routed, read)
+        sdpa = read is not None and SDPA in read.consults
+        result.append(Fingerprint(spec.name, Settings(device_type, sdpa), frozen))
     return result

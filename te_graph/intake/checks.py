@@ -11,7 +11,7 @@ import torch
 
 from .. import compat
 from ..extension import SEAM
-from ..guards.frozen import global_hooks_run_at_capture_only, hooks_outside_graphs
+from ..guards.hooks import global_hooks_run_at_capture_only, hooks_outside_graphs
 from ..layout import InputLayout, describe
 from ..resources import graphed_callable_of
 

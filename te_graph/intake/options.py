@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
+
+import rng
 
 from ..extension import SEAM
 
@@ -28,8 +29,9 @@ _CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
 
 
 def eager_replay_default() -> bool:
-    """``TE_GRAPH_EAGER_REPLAY=1`` turns eager replay on for every call that does not say."""
-    return os.environ.get("TE_GRAPH_EAGER_REPLAY", "0").strip() in ("1", "true", "True", "yes")
+    """``TE_GRAPH_EAGER_REPLAY`` (``1/true/yes/on`` or ``0/false/no/off``; anything else is a
+    ``ValueError``) turns eager replay on for every call that does not say."""
+    return bool(rng.env_flag("TE_GRAPH_EAGER_REPLAY"))
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,7 @@ def graph_options(te_arguments: Mapping[str, Any], **given: Any) -> GraphOptions
             raise TypeError(_unexpected_keyword(name))
     if options["eager_replay"] is None:
         options["eager_replay"] = eager_replay_default()
+    _check_types(options)
     if options["order"] is not None:
         options["order"] = tuple(options["order"])
     options["more_shapes"] = tuple(options["more_shapes"])
@@ -88,6 +91,35 @@ def _unexpected_keyword(name: str) -> str:
     close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
     hint = f"; did you mean {close[0]!r}?" if close else "; see help(te_graph.make_graphed_callables) for the accepted ones."
     return f"make_graphed_callables() got an unexpected keyword argument {name!r}{hint}"
+
+
+# Options that take a bool (None too where it means "the default"), and those that take a
+# callable or None: a string such as "false" would read as true.
+_BOOLS = {"allow_unused_input": False, "retain_graph_in_backward": False, "reuse_graph_input_output_buffers": False,
+          "accumulate_grads_in_graph": True, "clone_param_grads_on_return": False, "eager_replay": False}
+_CALLABLES = ("pre_warmup_hook", "post_warmup_hook", "get_rng_state_tracker")
+
+
+def _check_types(given: Mapping[str, Any]) -> None:
+    for name, none_ok in _BOOLS.items():
+        value = given.get(name)
+        if not isinstance(value, bool) and not (none_ok and value is None):
+            raise TypeError(
+                f"make_graphed_callables: {name} must be True or False{' (or None: the default)' if none_ok else ''}, "
+                f"got {value!r} ({type(value).__name__}); a string such as 'false' would read as true."
+            )
+    for name in _CALLABLES:
+        value = given.get(name)
+        if value is not None and not callable(value):
+            raise TypeError(f"make_graphed_callables: {name} must be a callable or None, got {value!r} "
+                            f"({type(value).__name__}).")
+    for name in ("capture_error_mode", "unseen_shape"):
+        if not isinstance(given.get(name), str):
+            raise TypeError(f"make_graphed_callables: {name} must be a str, got {given.get(name)!r}.")
+    more = given.get("more_shapes")
+    if isinstance(more, (str, bytes)) or not isinstance(more, (tuple, list)):
+        raise TypeError(f"make_graphed_callables: more_shapes must be a list or tuple of sample sets, got "
+                        f"{type(more).__name__}.")
 
 
 def _check(options: GraphOptions) -> None:

@@ -17,7 +17,7 @@ from ..resources import RESOURCES
 from .hooks import CaptureTimeHooks, normalise_capture_time_hooks
 from .options import GraphOptions
 
-__all__ = ["make_specs", "make_spec", "SpecContext", "largest_first", "none_default_keywords", "SampleMemory", "callable_name"]
+__all__ = ["make_specs", "make_spec", "SpecContext", "largest_first", "none_default_keywords", "SampleMemory", "callable_name", "device_type"]
 
 
 def make_specs(
@@ -183,3 +183,11 @@ def none_default_keywords(call: Callable) -> frozenset:
     keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     return frozenset(p.name for p in parameters if p.kind in keyword and p.default is None)
 
+
+def device_type(specs: Sequence[GraphSpec]) -> str:
+    """The device type the callables run on (their inputs' or parameters'), whose autocast
+    state and random streams their graphs depend on."""
+    for spec in specs:
+        for t in spec.static_inputs + spec.params:
+            return t.device.type
+    return "cuda" if torch.cuda.is_available() else "cpu"

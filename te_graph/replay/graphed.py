@@ -40,6 +40,8 @@ class GraphedCallable(Graphed):
         self._fingerprint = fingerprint  # what the graphs froze, checked at every call (``guards.frozen``)
         self._warned = False
         self._reset = False
+        # Its forward computes other values under no_grad (``capture.warmup``): calls then run eagerly.
+        self._grad_mode_dependent = any(r.grad_mode_dependent for r in runners)
         # Transformer Engine's per-call keyword, taken off the calls of a callable holding TE
         # modules (as TE's graphed callables do) unless it was a captured keyword; and off a
         # megatron-core layer's, whose replay passes it to every graph (``routed``; megatron-core
@@ -54,6 +56,8 @@ class GraphedCallable(Graphed):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._module is not None and self._module.training != self._training:
             return self._eager(*args, **kwargs)
+        if self._grad_mode_dependent and not torch.is_grad_enabled():
+            return self._eager(*args, **kwargs)  # its forward computes otherwise without grad (a fast path)
         self._fingerprint.check()
         first = kwargs.pop("is_first_microbatch", None) if self._pops_first_microbatch else None
         runner = self._single

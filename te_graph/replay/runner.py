@@ -79,6 +79,7 @@ class Runner:
         self.wgrad = warmup.wgrad  # what warmup learned of its weight-gradient pass; None without one
         self.has_wgrad = warmup.wgrad is not None
         self.updated = warmup.updated  # inputs the forward updates in place (warmup found them)
+        self.grad_mode_dependent = warmup.grad_mode_dependent
         self.borrowed = context.borrowed  # later graphs take its outputs' memory after its backward
         self.variant = context.variant
         self.layout = spec.layout

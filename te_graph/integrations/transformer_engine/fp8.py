@@ -84,6 +84,10 @@ def fp8_options(arguments: Mapping[str, Any], callables: Sequence[Callable]) -> 
             stacklevel=3,
         )
         given[new] = value
+    for name in ("calibrating", "cache_quantized_params"):
+        if given.get(name) is not None and not isinstance(given[name], bool):
+            raise TypeError(f"make_graphed_callables: {name} must be True or False, got {given[name]!r} "
+                            f"({type(given[name]).__name__}).")
     enabled = given.get("enabled")
     if enabled is None:
         enabled = False
