@@ -156,6 +156,7 @@ def make_graphed_callables(
     if single and options.order is None:
         checks.check_not_over_nested(callables_[0], sample_args)
     sets = sample_sets(sample_args, sample_kwargs, options.more_shapes, single and options.order is None, len(callables_))
+    checks.check_tensors(callables_, sets)
 
     # 3. Plan: the graphs and the sequence their forwards and backwards run in.
     schedule = plan_schedule(len(callables_), len(sets[0][0]), options.order, options.num_layers_per_chunk)

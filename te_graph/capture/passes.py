@@ -8,12 +8,12 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
-import torch.utils._pytree as pytree
 
 import rng
 from checkpointing.capture_hook import capture_hook_set
 
 from ..grads import grads_redirected
+from ..layout import tensor_leaves
 from ..records import DelayedWgrad, GraphSpec, StreamUse
 from .parameters import ForeignLeaves
 from .recompute_rng import BackwardDraws, ForwardDraws
@@ -48,11 +48,7 @@ def grad_mode(spec: GraphSpec):
 
 
 def differentiable(outputs: Any) -> list[torch.Tensor]:
-    return [o for o in pytree.tree_leaves(outputs) if isinstance(o, torch.Tensor) and o.requires_grad]
-
-
-def tensor_leaves(outputs: Any) -> list[torch.Tensor]:
-    return [o for o in pytree.tree_leaves(outputs) if isinstance(o, torch.Tensor)]
+    return [o for o in tensor_leaves(outputs) if o.requires_grad]
 
 
 def run_forward(step: GraphPass, leaves: Optional[ForeignLeaves] = None) -> tuple[Any, Optional[StreamUse]]:
@@ -116,6 +112,14 @@ def run_backward(step: GraphPass, outputs: Any) -> tuple[tuple[int, ...], Option
                 spec.hooks.run("backward_hooks", spec.func)
         # A kernel that accumulated the weight gradient into main_grad itself says so with
         # Megatron's flag (Transformer Engine's fuse_wgrad_accumulation; set on the stand-in).
+        sparse = next((i for i, s in enumerate(stand) if s.grad is not None and s.grad.layout != torch.strided), None)
+        if sparse is not None:
+            raise ValueError(
+                f"make_graphed_callables: the backward of {spec.name} gives a parameter (shape "
+                f"{tuple(spec.params[sparse].shape)}) a {stand[sparse].grad.layout} gradient (nn.Embedding(sparse=True)?); "
+                "a graph accumulates gradients into dense buffers at fixed addresses. Build the module with dense "
+                "gradients (sparse=False), or keep it outside the graphed callable."
+            )
         fused = frozenset(i for i, s in enumerate(stand) if s.__dict__.get("grad_added_to_main_grad") is True)
         learned = learn_wgrad(delayed, spec.params, stand, step.known) if delayed else None
         if delayed:

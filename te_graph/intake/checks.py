@@ -8,6 +8,7 @@ import inspect
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.utils._pytree as pytree
 
 from .. import compat
 from ..extension import SEAM
@@ -27,6 +28,12 @@ def check_environment(eager_replay: bool) -> None:
         raise RuntimeError(
             "make_graphed_callables: CUDA is not available, and capturing CUDA graphs needs a "
             "CUDA device. " + EAGER_REPLAY_HINT
+        )
+    if torch.is_inference_mode_enabled():
+        raise RuntimeError(
+            "make_graphed_callables: called under torch.inference_mode(), whose tensors autograd cannot record "
+            "and graphs cannot keep between calls. Graph outside it (for forward-only graphs, under "
+            "torch.no_grad()), and call the graphed callable there."
         )
     if torch.is_autocast_enabled() and torch.is_autocast_cache_enabled():
         raise RuntimeError(
@@ -198,3 +205,25 @@ def check_sample_kwargs(sample_args: Sequence[Any], sample_kwargs: Sequence[Any]
             f"{len(sample_kwargs)} sample_kwargs; give one dict of sample kwargs per tuple "
             "of sample args."
         )
+
+
+def check_tensors(callables: Sequence[Callable], sets: Sequence[tuple]) -> None:
+    """The samples and parameters are dense tensors with data, in graphs and eager replay
+    alike: a graph copies each input into a dense static buffer and reads dense parameters,
+    and warmup runs the forward on the samples."""
+    samples = [t for args, kwargs in sets for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    params = [p for c in callables if isinstance(c, torch.nn.Module) for p in c.parameters()]
+    for t in samples + params:
+        what = "sample" if any(t is s for s in samples) else "parameter"
+        if t.layout != torch.strided:
+            raise ValueError(
+                f"make_graphed_callables: a {what} is a {t.layout} tensor ({describe(t)}); a graph copies each "
+                "input into a dense static buffer and reads dense parameters. Pass dense tensors (x.to_dense()), "
+                "or keep the sparse part outside the graphed callable."
+            )
+        if t.device.type == "meta":
+            raise ValueError(
+                f"make_graphed_callables: a {what} is on the meta device ({describe(t)}), which holds no data to "
+                "run warmup on. Materialise the module and the samples first (to_empty() and an initialisation, "
+                "or real sample tensors)."
+            )

@@ -18,6 +18,7 @@ from ..records import GraphSpec, WarmupRecord
 from .copy_in import Slot
 from .order import ReplayContext
 from .outputs import EagerOutputs
+from .partial_backward import refuse_rerun
 from .runner import OBSERVED, Invocation, Runner
 
 __all__ = ["EagerRunner", "takes_keyword"]
@@ -88,11 +89,16 @@ class EagerRunner(Runner):
         return (self._issued(invocation) if with_backward else invocation), detached
 
     def backward(self, invocation: Invocation, grads: tuple) -> tuple:
-        inputs_only = self._before_backward(invocation, grads)
+        inputs_only, missing = self._before_backward(invocation, grads)
+        if missing is not None:
+            refuse_rerun(self, missing)  # where the graphs refuse it
         self._replaying_backward()
-        pairs = [(o, g) for o, g in zip(invocation.outputs, grads) if o.requires_grad]
+        # The outputs the loss left out take no part, as in eager code (the graphs rerun such
+        # a call's forward eagerly, ``partial_backward``; an output fed by another that got a
+        # gradient gets zeros there, which leave the sum as it is).
+        pairs = [(o, g) for o, g in zip(invocation.outputs, grads) if o.requires_grad and g is not None]
         outputs = [o for o, _ in pairs]
-        grads_ = [torch.zeros_like(o) if g is None else g for o, g in pairs]
+        grads_ = [g for _, g in pairs]
         routed = self.routed(self.params) if invocation.through_autograd else ()
         if inputs_only:
             # Only some inputs' gradients are asked for: no parameter takes one (as eager).

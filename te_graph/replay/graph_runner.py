@@ -13,6 +13,7 @@ from .copy_in import Slot, copy_in
 from .function import ReplayBackward
 from .order import ReplayContext
 from .outputs import GraphOutputs
+from .partial_backward import backward_recomputed, refuse_rerun, stream_positions
 from .runner import OBSERVED, Invocation, Runner
 
 __all__ = ["GraphRunner"]
@@ -24,6 +25,9 @@ class GraphRunner(Runner):
     def __init__(self, spec: GraphSpec, graph: CapturedGraph, context: ReplayContext):
         super().__init__(spec, graph.warmup, context)
         self.graph = graph
+        self.spec = spec
+        draws = graph.warmup.forward_draws
+        self.forward_generators = tuple(draws.used_generators().values()) if draws is not None else ()
         # Parameters to flag grad_added_to_main_grad=True after each backward replay, as
         # Transformer Engine's backward does for weights it accumulates into main_grad itself.
         self.fused_params = tuple(spec.params[i] for i in sorted(graph.warmup.fused_params))
@@ -78,6 +82,8 @@ class GraphRunner(Runner):
         copy_grads = tuple(map(self._grad_copied, inputs, graph.static_grad_inputs)) if with_backward else ()
         moved = graph.sync_forward.before_replay(self.name)
         record = graph.rng.record() if with_backward else ()
+        # Where its streams stand, for a backward that leaves an output out (``partial_backward``).
+        start = stream_positions(self.forward_generators) if self.multi_output and with_backward else ()
         tick = self.clock.forward(self.variant, self.shape)
         self.handout.before_replay()
         self._replaying_forward()
@@ -92,6 +98,8 @@ class GraphRunner(Runner):
         invocation = Invocation(self.generation, tick, record, copy_grads, through_autograd, None, fp8_first,
                                 OBSERVED if through_autograd else compat.hook_handles_made(),
                                 self.idle_now(inputs) if self.idle_outputs and with_backward else ())
+        if start:
+            invocation.start = start
         return (self._issued(invocation) if with_backward else invocation), outputs
 
     def backward(self, invocation: Invocation, grads: tuple) -> tuple:
@@ -99,8 +107,10 @@ class GraphRunner(Runner):
         # A backward asked only for some inputs' gradients (torch.autograd.grad, or
         # backward(inputs=...)) leaves the parameters' .grad alone, as eager autograd does:
         # the graph still accumulates into the buffers, which are put back afterwards.
-        inputs_only = self._before_backward(invocation, grads)
+        inputs_only, missing = self._before_backward(invocation, grads)
         graph = self.graph
+        if missing is not None:
+            return self._backward_recomputed(invocation, grads, inputs_only, missing)
         for slot, g in zip(self.grad_output_slots, grads):
             if slot is None:
                 continue
@@ -139,6 +149,15 @@ class GraphRunner(Runner):
             return input_grads + graph.param_grads.for_autograd(self.clone_param_grads)
         return input_grads + (None,) * len(self.anchor)
 
+    def _backward_recomputed(self, invocation: Invocation, grads: tuple, inputs_only: bool, missing: int) -> tuple:
+        """A backward whose loss left output ``missing`` out (``partial_backward``)."""
+        refuse_rerun(self, missing)
+        result = backward_recomputed(self, invocation, grads, inputs_only)
+        self._after_backward()
+        if self.borrowed:
+            self.handout.after_reuse()
+        return result
+
     def _run_wgrad(self) -> None:
         self.graph.wgrad.run()
 
@@ -152,6 +171,7 @@ class GraphRunner(Runner):
             self.graph.wgrad.reset()
         self.handout.reset()
         self.graph = None
+        self.spec = None
         self.handout = None
         self.wgrad, self.has_wgrad = None, False
         self.static_inputs = self.static_outputs = ()

@@ -20,7 +20,7 @@ from .function import run
 from .order import shapes_text
 from .runner import Runner
 
-__all__ = ["GraphedCallable", "install_on_module"]
+__all__ = ["GraphedCallable", "install_on_module", "Ungraphed"]
 
 
 class GraphedCallable(Graphed):
@@ -141,6 +141,13 @@ class GraphedCallable(Graphed):
     def __repr__(self) -> str:
         return f"<graphed {self.__name__}>"
 
+    def __reduce__(self) -> tuple:
+        """``torch.save`` of a graphed module pickles it with its own forward (graphs are
+        device state, not saved): loaded, it runs eagerly and can be graphed again."""
+        if self._module is None:
+            raise TypeError(f"{self.__name__}: a graphed function cannot be pickled; pickle the function itself.")
+        return (Ungraphed, (self._module,))
+
     def __deepcopy__(self, memo: dict) -> Any:
         """A deep copy of a graphed module (a teacher, an EMA model) runs eagerly: the graphs
         read this module's parameters by address, not the copy's."""
@@ -152,6 +159,25 @@ class GraphedCallable(Graphed):
                 "eagerly, or copy before graphing."
             )
         return types.MethodType(type(copy).forward, copy)
+
+
+class Ungraphed:
+    """What a graphed module's forward pickles as: the module's own forward (and its own
+    ``backward_dw``), so that a module saved while graphed loads as an eager one."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+    def backward_dw(self) -> None:
+        own = getattr(type(self.module), "backward_dw", None)
+        if own is not None:
+            own(self.module)
+
+    def reset(self) -> None:
+        """Nothing to free: no graphs were loaded."""
 
 
 def install_on_module(module: torch.nn.Module, graphed: GraphedCallable) -> None:

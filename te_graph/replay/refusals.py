@@ -11,7 +11,7 @@ from .. import compat, grads
 from .copy_in import overlap
 from .order import shapes_text
 
-__all__ = ["DOUBLE_BACKWARD", "forward_only_error", "refuse_missing_gradient", "check_in_graph_backward",
+__all__ = ["DOUBLE_BACKWARD", "forward_only_error", "missing_gradient", "check_in_graph_backward",
            "check_updated_apart", "check_saved_outputs", "check_fresh"]
 
 
@@ -35,24 +35,13 @@ def forward_only_error(runner: Any) -> ValueError:
 
 
 
-def refuse_missing_gradient(runner: Any, invocation: Any, grads: tuple) -> None:
-    """Refused: a backward where a differentiable output got no gradient, unless an output
-    whose backward feeds it got one (``capture.backward_reads.outputs_fed``)."""
-    if runner.multi_output:
-        missing = next((i for i, g in enumerate(grads) if g is None and i not in runner.non_differentiable
-                        and i not in invocation.idle and not any(grads[j] is not None for j in runner.fed[i])),
-                       None)
-        if missing is not None:
-            raise RuntimeError(
-                f"{runner.name}: output {missing} got no gradient in this backward (the loss does not "
-                "use it), but the backward graph was captured with a gradient for every "
-                "differentiable output: it would push zeros through that output's part of the "
-                "backward, where eager autograd skips it (zeros there turn into NaN through log, "
-                "sqrt or a division; an output may go without where an output computed from it "
-                "gets a gradient that autograd delivers to it). Use every differentiable output "
-                "in the loss, or return only the outputs you use (detach the others inside the "
-                "callable)."
-            )
+def missing_gradient(runner: Any, invocation: Any, grads: tuple) -> Any:
+    """The first differentiable output that got no gradient in this backward, where no
+    output whose backward feeds it got one (``capture.backward_reads.outputs_fed``); None
+    where every one is covered (zeros pushed through a fed output's part leave the sum as
+    it is)."""
+    return next((i for i, g in enumerate(grads) if g is None and i not in runner.non_differentiable
+                 and i not in invocation.idle and not any(grads[j] is not None for j in runner.fed[i])), None)
 
 
 def check_in_graph_backward(runner: Any, invocation: Any) -> None:

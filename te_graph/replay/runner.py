@@ -15,7 +15,7 @@ from ..capture.wgrad import check_still_delayed
 from ..records import GraphSpec, WarmupRecord
 from .copy_in import copy_in
 from .order import NO_CLOCK, ReplayContext
-from .refusals import check_fresh, check_in_graph_backward, check_updated_apart, refuse_missing_gradient
+from .refusals import check_fresh, check_in_graph_backward, check_updated_apart, missing_gradient
 
 __all__ = ["Invocation", "Runner", "OBSERVED"]
 
@@ -27,7 +27,7 @@ class Invocation:
     """One forward call's state, kept on its autograd node until its backward."""
 
     __slots__ = ("generation", "tick", "record", "copy_grads", "outputs", "backwards", "through_autograd", "fp8_first",
-                 "hooks_seen", "idle", "__weakref__")
+                 "hooks_seen", "idle", "start", "__weakref__")
 
     def __init__(self, generation: int, tick: int, record: tuple, copy_grads: tuple, through_autograd: bool,
                  outputs: Any = None, fp8_first: bool = False, hooks_seen: int = OBSERVED, idle: tuple = ()):
@@ -46,6 +46,9 @@ class Invocation:
         # Outputs that take no gradient at this call, though they may at others: computed
         # only from inputs that require none now (``Runner.idle_now``).
         self.idle = idle
+        # Where the streams its forward draws from stood at its replay, for a backward that
+        # reruns the forward eagerly (``partial_backward``); set by the graph runner.
+        self.start: tuple = ()
 
 
 class Runner:
@@ -185,13 +188,12 @@ class Runner:
         if self.order.retained:
             self.order.mark(self, self.refused_at_backward)
 
-    def _before_backward(self, invocation: Invocation, grads: tuple) -> bool:
+    def _before_backward(self, invocation: Invocation, grads: tuple) -> tuple[bool, Any]:
         """The backward's refusals; returns whether it is asked only for some inputs'
-        gradients (``_inputs_only``: no parameter takes one)."""
+        gradients (``_inputs_only``: no parameter takes one), and the first output the loss
+        left out (``refusals.missing_gradient``), or None."""
         inputs_only = self._inputs_only(invocation)
-        # The refusal first, so that a caller who catches it and retries gets it again.
-        if self.multi_output:
-            refuse_missing_gradient(self, invocation, grads)
+        missing = missing_gradient(self, invocation, grads) if self.multi_output else None
         if self.has_wgrad:
             self.wgrad_book.check_backward(self)
         order = self.order
@@ -202,7 +204,7 @@ class Runner:
         check_fresh(self, invocation)
         if invocation.hooks_seen != OBSERVED and not inputs_only:
             check_in_graph_backward(self, invocation)
-        return inputs_only
+        return inputs_only, missing
 
     def _after_backward(self) -> None:
         order = self.order
