@@ -27,8 +27,10 @@ from .replay.graph_runner import GraphRunner
 from .replay.graphed import GraphedCallable, install_on_module
 from .replay.order import NO_CLOCK, Clock, OrderSlot, ReplayContext, ReplayOptions, ReplayOrder, WgradBook
 from .resources import RESOURCES, graphed_callable_of
+from .verify.callable import turn_on, verify
+from .verify.options import Verify, verify_options
 
-__all__ = ["make_graphed_callables", "eager_replay_default", "Samples", "reset", "graph_pool_handle"]
+__all__ = ["make_graphed_callables", "eager_replay_default", "Samples", "reset", "graph_pool_handle", "Verify", "verify"]
 
 M = TypeVar("M", bound=torch.nn.Module)
 F = TypeVar("F", bound=Callable[..., Any])
@@ -76,6 +78,7 @@ def make_graphed_callables(
     unseen_shape: str = "error",
     eager_replay: bool | None = None,
     get_rng_state_tracker: Callable[[], Any] | None = None,
+    verify: bool | int | Verify | None = None,
     **te_arguments: Any,
 ) -> Any:
     """Capture each callable's forward and backward as CUDA graphs; return graphed versions.
@@ -124,6 +127,11 @@ def make_graphed_callables(
             the process uses (``rng.process_tracker()``: ours when seeded, else
             megatron-core's when initialised, else Transformer Engine's registry of tracker
             states, as TE's graphs find it).
+        verify: the runtime verifier (``te_graph.Verify``): at chosen calls, the call runs
+            again eagerly and outputs and gradients are compared with the graph's, bitwise.
+            ``True``: the first 8 calls of each callable; an int N: the first N; a ``Verify``
+            for every k-th call, a fraction, and what a difference does. Defaults to
+            ``TE_GRAPH_VERIFY`` (a boolean word or N); off costs nothing per call.
 
     Returns:
         The graphed callables in the form given: modules keep their identity (their
@@ -143,8 +151,9 @@ def make_graphed_callables(
         clone_param_grads_on_return=clone_param_grads_on_return, capture_time_hooks=capture_time_hooks,
         pre_warmup_hook=pre_warmup_hook, post_warmup_hook=post_warmup_hook,
         capture_error_mode=capture_error_mode, more_shapes=more_shapes, unseen_shape=unseen_shape,
-        eager_replay=eager_replay, get_rng_state_tracker=get_rng_state_tracker,
+        eager_replay=eager_replay, get_rng_state_tracker=get_rng_state_tracker, verify=verify,
     )
+    verification = verify_options(options.verify)
     pool = pool_handle(options.pool, options.eager_replay)
 
     # 2. Check everything before anything changes.
@@ -177,7 +186,10 @@ def make_graphed_callables(
     prepared = prepare_graphs([spec_sets[i] for i in first], schedule.steps, _capture_options(options, pool, tracker, fp8))
 
     # 5. Wrap: one graphed callable per graph; modules keep their identity.
-    graphed = _wrap(spec_sets, _in_given_order(prepared, first), options, pool, fp8, lease)
+    graphed = _wrap(spec_sets, _in_given_order(prepared, first), options, pool, fp8, lease, tracker)
+    if verification is not None:
+        for function in graphed:
+            turn_on(function, verification)
     if options.order is not None:
         return tuple(graphed)
     results = []
@@ -252,7 +264,7 @@ def _in_given_order(prepared: Prepared, order: list[int]) -> Prepared:
 
 
 def _wrap(spec_sets: list[list[GraphSpec]], prepared: Prepared, options: GraphOptions, pool: Any,
-          fp8: Any, lease: Any) -> list[GraphedCallable]:
+          fp8: Any, lease: Any, tracker: Any) -> list[GraphedCallable]:
     """One GraphedCallable per graph, holding a runner per sample set."""
     replay = ReplayOptions(
         always_autograd=options.accumulate_grads_in_graph is False,
@@ -280,7 +292,7 @@ def _wrap(spec_sets: list[list[GraphSpec]], prepared: Prepared, options: GraphOp
         slot = OrderSlot(order, base + index, first, (plan.activations_at_forward << base) | others,
                          (plan.activations_at_backward << base) | others, (plan.queued_at_forward << base) | others,
                          (plan.queued_at_backward << base) | others)
-        return ReplayContext(replay, slot, clock, variant, book, plan.releases_buffers)
+        return ReplayContext(replay, slot, clock, variant, book, plan.releases_buffers, tracker)
 
     def runner(variant: int, index: int):
         spec = spec_sets[variant][index]

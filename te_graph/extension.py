@@ -46,6 +46,11 @@ class Precision:
         ``after_forward``, ``after_backward``)."""
         return NO_REPLAY_STEPS
 
+    def kept(self, modules: Sequence[Any]) -> contextlib.AbstractContextManager:
+        """Inside: what an extra eager run of ``modules`` changes of the precision's state
+        (the verifier's shadow: FP8 meta) is put back on exit."""
+        return contextlib.nullcontext()
+
 
 class _Off:
     """Options of a call without reduced precision."""

@@ -56,6 +56,7 @@ class GraphOptions:
     unseen_shape: str = "error"
     eager_replay: bool = False
     get_rng_state_tracker: Optional[Callable[[], Any]] = None
+    verify: Any = None  # the runtime verifier's schedule as given (``te_graph.verify.options``)
     fp8_arguments: tuple = ()  # the precision (TE's FP8) arguments as given, (name, value) pairs
 
 

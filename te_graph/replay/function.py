@@ -50,9 +50,10 @@ _apply_directly = compat.direct_apply(_Replay)
 _functorch_active = compat.functorch_active
 
 
-def run(runner: Runner, tensors: list, is_first_microbatch: Any = None) -> tuple:
+def run(runner: Runner, tensors: list, is_first_microbatch: Any = None, through_autograd: bool = False) -> tuple:
     """Replay ``runner`` for one call: an autograd node when a backward may follow.
-    ``is_first_microbatch`` is Transformer Engine's per-call keyword (its weight cache)."""
+    ``is_first_microbatch`` is Transformer Engine's per-call keyword (its weight cache);
+    ``through_autograd``: the parameter gradients go through the node (the verifier's calls)."""
     if not runner.differentiable:
         if torch.is_grad_enabled() and (runner.params or any(t.requires_grad for t in tensors)):
             raise forward_only_error(runner)
@@ -72,7 +73,7 @@ def run(runner: Runner, tensors: list, is_first_microbatch: Any = None) -> tuple
             )
         with torch.no_grad():
             return runner.forward(tuple(tensors), False, False, is_first_microbatch)[1]
-    through_autograd = runner.through_autograd()
+    through_autograd = through_autograd or runner.through_autograd()
     extra = runner.params if through_autograd else runner.anchor
     apply = _Replay.apply if _functorch_active() else _apply_directly
     return apply(runner, through_autograd, is_first_microbatch, *tensors, *extra)

@@ -67,18 +67,26 @@ class GraphedCallable(Graphed):
         return runner.output.build(run(runner, tensors, first))
 
     def _dispatch(self, args: tuple, kwargs: dict, first: Any) -> Any:
+        runner, tensors = self._pick(args, kwargs)
+        if runner is None:
+            return self._unseen(args, kwargs, tensors)
+        return runner.output.build(run(runner, tensors, first))
+
+    def _pick(self, args: tuple, kwargs: dict) -> tuple[Any, list]:
+        """The runner of the call's shapes (None for an unseen shape) and its flat inputs."""
         if self._reset:
             raise RuntimeError(
                 f"{self.__name__}: this graphed callable was reset(), which freed its graphs and "
                 "buffers. Graph it again with make_graphed_callables (a module that was graphed "
                 "has its eager forward back: call the module itself)."
             )
+        if self._single is not None:
+            return self._single, self._single.layout.flatten(args, kwargs)
         tensors = self._layout.gather(args, kwargs)
         runner = self._runners.get(tuple(getattr(t, "shape", None) for t in tensors))
-        if runner is None:
-            return self._unseen(args, kwargs, tensors)
-        runner.layout.check(tensors)
-        return runner.output.build(run(runner, tensors, first))
+        if runner is not None:
+            runner.layout.check(tensors)
+        return runner, tensors
 
     def _unseen(self, args: tuple, kwargs: dict, tensors: list) -> Any:
         captured = "; ".join(shapes_text(shape) for shape in self._runners)

@@ -276,3 +276,4 @@ class ReplayContext:
     variant: int = 0  # its sample set
     wgrad_book: Optional["WgradBook"] = None
     borrowed: bool = False  # its outputs' memory goes to later graphs after its backward (buffer reuse)
+    tracker: Any = None  # the RNG tracker the call was graphed with (``rng.process_tracker()`` by default)

@@ -62,6 +62,7 @@ class Runner:
     output: Any
     non_differentiable: tuple[int, ...] = ()
     multi_output: bool = False
+    replays_graphs: bool = False  # GraphRunner: its parameter gradients can go through the node
 
     def __init__(self, spec: GraphSpec, warmup: WarmupRecord, context: ReplayContext):
         self.name = spec.name
@@ -83,6 +84,8 @@ class Runner:
         self.has_wgrad = warmup.wgrad is not None
         self.updated = warmup.updated  # inputs the forward updates in place (warmup found them)
         self.grad_mode_dependent = warmup.grad_mode_dependent
+        self.framework_modules = warmup.framework_modules  # the integrations' modules its forward runs
+        self.tracker = context.tracker  # whose streams its forward draws from
         self.borrowed = context.borrowed  # later graphs take its outputs' memory after its backward
         self.variant = context.variant
         self.layout = spec.layout

@@ -5,7 +5,7 @@ engine's seam (``te_graph.extension``) on import; TE itself is imported only whe
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -31,6 +31,22 @@ class FP8Precision(Precision):
     def replay(self, enabled: bool, options: Any, modules_: Sequence[Any], framework_modules: bool,
                graphs: bool) -> Any:
         return fp8_replay(enabled, options, modules_, framework_modules, graphs)
+
+    @contextlib.contextmanager
+    def kept(self, modules_: Sequence[Any]) -> Iterator[None]:
+        """TE's FP8 meta of ``modules_`` (amax history, scales) put back on exit, as its
+        graphs save and restore it around warmup (TE 2.20 ``graph.py``)."""
+        if not modules_ or modules.te_loaded() is None:
+            yield
+            return
+        from transformer_engine.pytorch import graph as te_graph_module  # noqa: PLC0415 - TE only when used
+        from transformer_engine.pytorch.quantization import FP8GlobalStateManager  # noqa: PLC0415
+
+        saved = te_graph_module.save_fp8_tensors(list(modules_), FP8GlobalStateManager.get_fp8_recipe())
+        try:
+            yield
+        finally:
+            te_graph_module.restore_fp8_tensors(list(modules_), saved)
 
 
 class TransformerEngine(Extension):

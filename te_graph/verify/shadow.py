@@ -1,0 +1,108 @@
+"""The eager shadow of one verified call: the callable run again eagerly, from the call's own
+inputs and from where the random streams and the module's buffers stood before the graph
+replayed, on stand-ins of its parameters (no hook of a real parameter runs, no ``.grad`` or
+``main_grad`` takes anything), and then everything put back as the graph left it: buffers,
+Python attributes, random streams, the precision's state (Transformer Engine's FP8 meta).
+Its backward runs from the gradients the graph's backward got, in the same way."""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.utils._pytree as pytree
+
+import rng
+
+from ..capture.parameters import StandIns
+from ..extension import SEAM
+from ..grads import grads_redirected
+
+__all__ = ["ModuleSnapshot", "Shadow"]
+
+
+class ModuleSnapshot:
+    """A module's buffers (values), Python attributes (shallow) and the random streams, to
+    put back: the state before a call, or as the graph left it after."""
+
+    def __init__(self, module: Any, tracker: Any):
+        self.tracker = tracker
+        self.streams = rng.snapshot_streams(tracker)
+        self.modules = list(module.modules()) if isinstance(module, torch.nn.Module) else []
+        self.buffers = [(b, b.detach().clone()) for m in self.modules for b in m._buffers.values()
+                        if isinstance(b, torch.Tensor)]
+        self.attributes = [(m, dict(m.__dict__)) for m in self.modules]
+
+    def restore(self) -> None:
+        rng.restore_streams(self.tracker, self.streams)
+        with torch.no_grad():
+            for b, value in self.buffers:
+                b.copy_(value)
+        for m, saved in self.attributes:
+            for key in [k for k in m.__dict__ if k not in saved]:
+                del m.__dict__[key]
+            for key, value in saved.items():
+                if m.__dict__.get(key) is not value:
+                    m.__dict__[key] = value
+
+
+@contextlib.contextmanager
+def _main_grads_kept(params: Sequence[torch.Tensor]) -> Iterator[None]:
+    """Inside: kernels that accumulate into ``main_grad`` (through the stand-ins, which share
+    it) leave it, and its flag, as they were."""
+    kept = [(p, p.main_grad.clone(), p.__dict__.get("grad_added_to_main_grad")) for p in params
+            if isinstance(p.__dict__.get("main_grad"), torch.Tensor)]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, value, flag in kept:
+                p.main_grad.copy_(value)
+                if flag is not None:
+                    p.grad_added_to_main_grad = flag
+
+
+def _copy(value: Any) -> Any:
+    return value.detach().clone().requires_grad_(value.requires_grad) if isinstance(value, torch.Tensor) else value
+
+
+class Shadow:
+    """The eager run of one call of ``runner`` with the call's own ``args`` and ``kwargs``."""
+
+    def __init__(self, runner: Any, args: tuple, kwargs: dict, first_microbatch: Any, before: ModuleSnapshot):
+        spec = runner.spec
+        self.spec = spec
+        module = spec.func if isinstance(spec.func, torch.nn.Module) else None
+        self.params = tuple(runner.params)
+        self.stand_ins = StandIns([module], only=spec.params) if module is not None and spec.params else None
+        # The call's own arguments (copies of its tensors), as eager code gets them.
+        args, kwargs = pytree.tree_map(_copy, (tuple(args), dict(kwargs)))
+        self.inputs = list(runner.layout.flatten(args, kwargs))  # in the order of the graph's inputs
+        self.modules = runner.framework_modules
+        if first_microbatch is not None:
+            kwargs["is_first_microbatch"] = first_microbatch
+        after = ModuleSnapshot(spec.func, before.tracker)
+        before.restore()
+        try:
+            with self._installed(), SEAM.precision.kept(self.modules), torch.enable_grad():
+                self.outputs = runner.output.tensors_of(spec.call(*args, **kwargs))
+        finally:
+            after.restore()
+
+    def _installed(self) -> contextlib.AbstractContextManager:
+        return self.stand_ins.installed() if self.stand_ins is not None else contextlib.nullcontext()
+
+    def backward(self, grads: Sequence[Any]) -> tuple[list, list]:
+        """The input and parameter gradients eager code computes from ``grads`` (the
+        gradients the call's outputs got): per input, per parameter of ``runner.params``."""
+        pairs = [(o, g) for o, g in zip(self.outputs, grads) if g is not None and o.requires_grad]
+        leaves = [t for t in self.inputs if t.requires_grad]
+        stand = [s for s in self.stand_ins(self.params)] if self.stand_ins is not None else []
+        targets = leaves + [s for s in stand if s is not None]
+        with self._installed(), SEAM.precision.kept(self.modules), _main_grads_kept(self.params), \
+                grads_redirected(targets):
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            inputs = [t.grad if t.requires_grad else None for t in self.inputs]
+            params = [None if s is None else s.grad for s in stand]
+        return inputs, params
