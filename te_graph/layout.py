@@ -7,12 +7,12 @@ or constants, and a flat tuple (or single tensor) out.
 """
 from __future__ import annotations
 
-import copy
-import dataclasses
 from typing import Any, Mapping, Sequence
 
 import torch
 import torch.utils._pytree as pytree
+
+from .records_tree import closed, opened, tensor_attribute
 
 __all__ = ["InputLayout", "OutputLayout", "describe", "describe_value"]
 
@@ -59,20 +59,6 @@ class _Leaf:
         return "*"
 
 
-def _tensor_attribute(value: Any) -> Any:
-    """The name of a field of ``value``, a dataclass instance pytree does not open (a record
-    of sequence metadata: megatron-core's ``PackedSeqParams``), that holds a tensor, directly
-    or in a pytree; else None. Other objects are left alone: a module passed along is model
-    state, read by address like the callable's own parameters, and framework objects keep
-    tensors of their own that no forward reads as data (a ``DeviceMesh``'s rank map)."""
-    if not dataclasses.is_dataclass(value) or isinstance(value, type):
-        return None
-    for field in dataclasses.fields(value):
-        if any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(getattr(value, field.name, None))):
-            return field.name
-    return None
-
-
 class InputLayout:
     """Positional args (pytrees of tensors) and keyword args (pytrees of tensors and
     constants: a tensor, ``None``, a flag, a tuple ``(cos, sin)``, a dict of tensors).
@@ -114,7 +100,7 @@ class InputLayout:
                 continue
             value_leaves, spec = pytree.tree_flatten(value)
             if spec.is_leaf():  # a constant: None, a flag, a number, a string
-                held = _tensor_attribute(value)
+                held = tensor_attribute(value)
                 if held is not None:
                     raise TypeError(
                         f"make_graphed_callables: keyword argument {key!r} of {name} is a {type(value).__name__} "
@@ -288,57 +274,6 @@ _ABSENT = object()
 _TENSOR = object()  # marks a tensor leaf among a nested keyword's captured leaves
 
 
-class _Record:
-    """A dataclass instance holding tensors (which pytree does not open) as a pytree node:
-    its fields are children, its class and field names the context."""
-
-    __slots__ = ("kind", "names", "values")
-
-    def __init__(self, kind: tuple, values: list):
-        self.kind, self.values = kind, values
-
-
-pytree.register_pytree_node(
-    _Record, lambda r: (list(r.values), r.kind), lambda values, kind: _Record(kind, list(values)))
-
-
-def _is_record(value: Any) -> bool:
-    return _tensor_attribute(value) is not None
-
-
-def _opened(outputs: Any, templates: dict) -> Any:
-    """``outputs`` with each dataclass instance holding tensors as a ``_Record`` (its first
-    instance of each kind kept in ``templates``, to rebuild the others from)."""
-    def open_(value: Any) -> Any:
-        if not _is_record(value):
-            return value
-        names = tuple(f.name for f in dataclasses.fields(value))
-        kind = (type(value), names)
-        templates.setdefault(kind, value)
-        return _Record(kind, [_opened(getattr(value, n), templates) for n in names])
-
-    return pytree.tree_map(open_, outputs, is_leaf=_is_record)
-
-
-def _closed(tree: Any, templates: dict) -> Any:
-    """The inverse of ``_opened``: each ``_Record`` back as a copy of its template with the
-    record's field values."""
-    def close(value: Any) -> Any:
-        if not isinstance(value, _Record):
-            return value
-        record = copy.copy(templates[value.kind])
-        for name, field_value in zip(value.kind[1], value.values):
-            object.__setattr__(record, name, _closed(field_value, templates))
-        return record
-
-    return pytree.tree_map(close, tree, is_leaf=lambda v: isinstance(v, _Record))
-
-
-def tensor_leaves(outputs: Any) -> list[torch.Tensor]:
-    """The tensors of a return value, dataclass records opened (``OutputLayout``)."""
-    return [leaf for leaf in pytree.tree_leaves(_opened(outputs, {})) if isinstance(leaf, torch.Tensor)]
-
-
 class OutputLayout:
     """What the callable returned at capture: its tensors become static outputs. A
     dataclass instance holding tensors (an output record of the user's) is opened like a
@@ -346,9 +281,9 @@ class OutputLayout:
 
     def __init__(self, name: str, outputs: Any):
         self.templates: dict = {}
-        opened = _opened(outputs, self.templates)
-        self.records = opened is not outputs and bool(self.templates)
-        outputs = opened if self.records else outputs
+        tree = opened(outputs, self.templates)
+        self.records = tree is not outputs and bool(self.templates)
+        outputs = tree if self.records else outputs
         leaves, self.spec = pytree.tree_flatten(outputs)
         if not any(isinstance(leaf, torch.Tensor) for leaf in leaves):
             raise ValueError(
@@ -390,7 +325,7 @@ class OutputLayout:
 
     def tensors_of(self, outputs: Any) -> tuple[torch.Tensor, ...]:
         """The tensors of a later call's return value (same structure as at capture)."""
-        leaves, spec = pytree.tree_flatten(_opened(outputs, {}) if self.records else outputs)
+        leaves, spec = pytree.tree_flatten(opened(outputs, {}) if self.records else outputs)
         if spec != self.spec:
             raise ValueError(
                 f"graphed callable returned structure {spec}, but {self.spec} at capture; a "
@@ -413,4 +348,4 @@ class OutputLayout:
         if self.flat_tuple:
             return tuple(leaves)
         built = pytree.tree_unflatten(leaves, self.spec)
-        return _closed(built, self.templates) if self.records else built
+        return closed(built, self.templates) if self.records else built

@@ -13,7 +13,7 @@ import rng
 from checkpointing.capture_hook import capture_hook_set
 
 from ..grads import grads_redirected
-from ..layout import tensor_leaves
+from ..records_tree import tensor_leaves
 from ..records import DelayedWgrad, GraphSpec, StreamUse
 from .parameters import ForeignLeaves
 from .recompute_rng import BackwardDraws, ForwardDraws
