@@ -27,10 +27,12 @@ from .replay.graph_runner import GraphRunner
 from .replay.graphed import GraphedCallable, install_on_module
 from .replay.order import NO_CLOCK, Clock, OrderSlot, ReplayContext, ReplayOptions, ReplayOrder, WgradBook
 from .resources import RESOURCES, graphed_callable_of
+from .step.graphed_step import GraphedStep, make_graphed_step
 from .verify.callable import turn_on, verify
 from .verify.options import Verify, verify_options
 
-__all__ = ["make_graphed_callables", "eager_replay_default", "Samples", "reset", "graph_pool_handle", "Verify", "verify"]
+__all__ = ["make_graphed_callables", "eager_replay_default", "Samples", "reset", "graph_pool_handle", "Verify", "verify", "make_graphed_step",
+           "GraphedStep"]
 
 M = TypeVar("M", bound=torch.nn.Module)
 F = TypeVar("F", bound=Callable[..., Any])
