@@ -22,6 +22,7 @@ FORWARD_KERNELS = "forward kernels"
 EAGER_BUCKETS = "eager 3 buckets"
 TE_GRAPH_BUCKETS = "te_graph 3 buckets"
 WHOLE_STEP_GRAPH = "whole-step graph"
+TE_GRAPH_STEP = "te_graph step"  # the product's whole-step graph (te_graph.make_graphed_step)
 TE_GRAPHED = "TE graphed"  # Transformer Engine's make_graphed_callables, where TE is present
 
 PASS, FAIL, NOT_AVAILABLE, INFO = "PASS", "FAIL", "n/a", "info"

@@ -24,6 +24,8 @@ attention probabilities) and measures, one variant after the other in the same p
                           Python cost at all, only the kernels and the gaps between dependent
                           kernels (which the kernel floor leaves out). A reference for the
                           least any graphing of the step can take, not a training method;
+* ``te_graph step``       the same step through ``te_graph.make_graphed_step``: one graph,
+                          exact dropout and recompute, guards checked at each call;
 * ``kernel floor``        the GPU time of one eager step (``torch.profiler``: the sum of
                           every device event's time, averaged over a few steps);
 * ``forward kernels``     the GPU time of one forward of the stack as in training (grad
@@ -89,6 +91,7 @@ from _targets import (  # noqa: E402
     STEP_TARGETS,
     WHOLE_STEP_GRAPH,
     TE_GRAPH,
+    TE_GRAPH_STEP,
     TE_GRAPH_BUCKETS,
     TE_GRAPH_RECOMPUTE,
     TORCH_GRAPHED,
@@ -109,7 +112,8 @@ CONFIGS = {
 # The table's order. Each row starts from a clean allocator (cuBLAS workspaces included),
 # so the order of the timed rows does not change their numbers; profiled rows run last.
 VARIANTS = (EAGER, EAGER_RECOMPUTE, EAGER_BUCKETS, TE_GRAPH, TE_GRAPH_RECOMPUTE,
-            TE_GRAPH_BUCKETS, TORCH_GRAPHED, TE_GRAPHED, WHOLE_STEP_GRAPH, KERNEL_FLOOR, FORWARD_KERNELS)
+            TE_GRAPH_BUCKETS, TORCH_GRAPHED, TE_GRAPHED, WHOLE_STEP_GRAPH, TE_GRAPH_STEP, KERNEL_FLOOR,
+            FORWARD_KERNELS)
 DROPOUT = 0.1
 SEED = 1234
 DEVICE = "cuda"  # a module constant so a CPU dry run of the plumbing can change it
@@ -226,6 +230,16 @@ def _whole_step_graph(cfg: tuple) -> Built:
     return Built(run, keep=(blocks, static_x), capture_s=seconds, release=free)
 
 
+def _te_graph_step(cfg: tuple) -> Built:
+    """The product's whole-step graph (``te_graph.make_graphed_step``) of the same step."""
+    _, hidden, seq, batch = cfg
+    blocks = build_blocks(cfg)
+    static_x = torch.zeros(seq, batch, hidden, device=DEVICE, dtype=torch.bfloat16)
+    step = make_train_step(blocks, _params(blocks))
+    graphed, seconds = synchronised(lambda: te_graph.make_graphed_step(step, (static_x,), modules=blocks))
+    return Built(graphed, keep=(blocks, static_x, graphed), capture_s=seconds, release=graphed.reset)
+
+
 def variants_for(cfg: tuple) -> dict[str, Variant]:
     labels = [f"s{s}" for _ in range(INPUTS_PER_BUCKET) for s in bucket_seqs(cfg[2])]
     return {
@@ -240,6 +254,7 @@ def variants_for(cfg: tuple) -> dict[str, Variant]:
         TORCH_GRAPHED: Variant(lambda: _torch_graphed(cfg)),
         TE_GRAPHED: Variant(lambda: _te_graphed(cfg)),
         WHOLE_STEP_GRAPH: Variant(lambda: _whole_step_graph(cfg)),
+        TE_GRAPH_STEP: Variant(lambda: _te_graph_step(cfg)),
     }
 
 

@@ -41,6 +41,7 @@ from ..intake.checks import check_environment
 from ..intake.options import eager_replay_default
 from ..layout import InputLayout, OutputLayout, describe_value
 from ..replay.copy_in import Slot, copy_in
+from ..replay.outputs import GraphOutputs
 from ..resources import RESOURCES
 from ..verify.compare import differences, report
 from ..verify.options import Schedule, verify_options
@@ -70,6 +71,13 @@ def _optimizer_groups(optimizer: Any) -> tuple:
     return tuple(tuple((k, v) for k, v in sorted(group.items()) if k != "params") for group in optimizer.param_groups)
 
 
+class _Owner:
+    """What ``GraphOutputs`` reads of its owner: the memory that is the model's own."""
+
+    def __init__(self, modules: Sequence[torch.nn.Module]):
+        self.func = torch.nn.ModuleList(modules)
+
+
 class GraphedStep:
     """A training step captured as one graph (or, in eager replay, run eagerly on the same
     static buffers). Call it like the step function; ``reset()`` frees the graph."""
@@ -83,6 +91,7 @@ class GraphedStep:
         self.params = [p for m in self.modules for p in m.parameters()]
         self.graph: Any = None
         self.outputs: Optional[OutputLayout] = None
+        self.handout: Optional[GraphOutputs] = None
         self.recompute: Any = None
         self.static_grads: list = []
         self.reads = ForwardReads()
@@ -115,7 +124,7 @@ class GraphedStep:
                             host.watching(_NAME, self.tracker, known) if first else contextlib.nullcontext(), \
                             capture_hook_set(_Regions(draws)):
                         outputs = self._run()
-                    if first:
+                    if first and outputs is not None:
                         self.outputs = OutputLayout(_NAME, outputs).without_memory()
                     del outputs
                 state.restore()
@@ -154,7 +163,10 @@ class GraphedStep:
         with capturing(_NAME, graph, pool, generators, "thread_local"), capture_hook_set(regions):
             outputs = self._run()
         regions.check_complete()
-        self.outputs = OutputLayout(_NAME, outputs)
+        self.outputs = OutputLayout(_NAME, outputs) if outputs is not None else None
+        # What each replay hands out: owning views of the static outputs, poisoned once a later
+        # replay overwrites them while still held (``replay.outputs``).
+        self.handout = GraphOutputs(_NAME, self.outputs.tensors, _Owner(self.modules)) if self.outputs else None
         self.static_grads = [p.grad for p in self.params]  # the gradients the captured backward leaves
         for p, grad in zip(self.params, before):
             p.grad = grad  # no step has run yet: as before capture
@@ -180,11 +192,15 @@ class GraphedStep:
                                "make_graphed_step.")
         record = self.recompute.record()
         self.recompute.restore(record)
+        if self.handout is not None:
+            self.handout.before_replay()
         self.graph.replay()
         for p, g in zip(self.params, self.static_grads):
             if p.grad is not g:
                 p.grad = g
-        return self.outputs.build([t.detach() for t in self.outputs.tensors])
+        if self.outputs is None:
+            return None
+        return self.outputs.build(self.handout.tensors())
 
     def _check(self) -> None:
         """What the step froze, as at capture: its modules, the optimizer's hyperparameters
@@ -206,13 +222,14 @@ class GraphedStep:
         compared bitwise; the graph's result is what stays."""
         before = StepState(self.modules, self.optimizer, self.tracker)
         outputs = self._step()
-        graphed = [(f"output {i}", t.detach().clone()) for i, t in enumerate(self.outputs.tensors_of(outputs))]
+        of = self.outputs.tensors_of if self.outputs is not None else (lambda _: ())
+        graphed = [(f"output {i}", t.detach().clone()) for i, t in enumerate(of(outputs))]
         after = StepState(self.modules, self.optimizer, self.tracker)
         graphed += after.named()
         before.restore()
         with torch.enable_grad():
             eager_outputs = self._run()
-        eager = [(f"output {i}", t.detach()) for i, t in enumerate(self.outputs.tensors_of(eager_outputs))]
+        eager = [(f"output {i}", t.detach()) for i, t in enumerate(of(eager_outputs))]
         eager += after.named()  # the same tensors, now holding the eager step's values
         after.restore()
         for p, g in zip(self.params, self.static_grads or [p.grad for p in self.params]):
@@ -233,6 +250,8 @@ class GraphedStep:
         """Free the graph (its pool memory goes back once nothing holds it)."""
         if self.graph is not None:
             self.graph.reset()
+        if self.handout is not None:
+            self.handout.reset()
         self.graph = None
 
 
