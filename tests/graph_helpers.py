@@ -1,11 +1,12 @@
-"""Shared helpers for the make_graphed_callables tests: a GPT stack, eager references and
-bitwise comparisons."""
+"""Shared helpers for the make_graphed_callables tests: a GPT stack, eager references, a
+Megatron-style tracker and DDP hook (comparisons and refusals: tests/harness.py)."""
 from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Any
+from typing import Any, Optional
 
+import pytest
 import torch
 from torch import nn
 
@@ -49,12 +50,6 @@ def weighted_loss(y: torch.Tensor) -> torch.Tensor:
     (stride-0) gradient, which a graph copies into its contiguous static buffer; matrix
     products may then round differently from eager's, so bitwise comparisons use this."""
     return (y.float() * torch.linspace(-1, 1, y.numel(), device=y.device).view_as(y)).sum()
-
-
-def assert_all_equal(a, b, what):
-    assert len(a) == len(b), what
-    for i, (x, y) in enumerate(zip(a, b)):
-        assert torch.equal(x, y), f"{what} {i} differs (max abs diff {(x.float() - y.float()).abs().max().item()})"
 
 
 def clone_modules(modules):
@@ -115,3 +110,19 @@ class NoGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return None
+
+
+def ddp_pre_hook(calls: Optional[list] = None):
+    """megatron-core DDP's ``_make_forward_pre_hook`` (``overlap_param_gather``): one closure
+    per call, one code; with ``calls``, each call records its module (where it would wait for
+    the parameters' all-gather)."""
+    def hook(module, *unused):
+        if calls is not None:
+            calls.append(module)
+    return hook
+
+
+def require(module: str, what: str):
+    """Import te_graph's ``module`` (an integration, or a part of one), or skip the calling
+    test module: the engine's tests run without it, as without its framework."""
+    return pytest.importorskip(module, reason=f"needs {module} ({what}), which does not import here")

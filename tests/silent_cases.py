@@ -24,7 +24,8 @@ from torch import nn
 
 import te_graph
 from checkpointing import checkpoint
-from tests.graph_helpers import NoGrad
+from tests import harness
+from tests.graph_helpers import NoGrad, ddp_pre_hook
 
 H, SEQ, B, VOCAB = 16, 8, 2, 32
 
@@ -316,7 +317,7 @@ def nets(n=2, make=Net, then=None, **kw):
 
 
 @dataclass
-class Case:
+class Case(harness.Row):
     id: str
     cls: str
     doc: str  # what the user is doing
@@ -341,9 +342,6 @@ class Case:
     # Where eager code itself refuses the case: a phrase of its error. The graphed run must
     # then refuse it too, at the same point, with what it observed before equal.
     eager_refuses: str = ""
-
-    def __str__(self) -> str:
-        return self.id
 
 
 def at(step, fn):
@@ -410,21 +408,14 @@ def graph_under_autocast(st):
         return default_graph(st)
 
 
-def _ddp_pre_hook():
-    """megatron-core DDP's ``_make_forward_pre_hook``: one closure per call, one code."""
-    def hook(module, *unused):
-        return None
-    return hook
-
-
 def ddp_hooks_then_swap(st, step):
     """Step 1: DDP's forward pre-hook on a submodule that Megatron's helper runs by hand
     (``cuda_graph_manual_hooks``): accepted. Step 2: that hook swapped for one of the user's,
     which keeps every hook table's size."""
     layer = st.layers[0]
     if step == 1:
-        layer.cuda_graph_manual_hooks = [(_ddp_pre_hook(), (layer.lin1,))]
-        st.kept.append(layer.lin1.register_forward_pre_hook(_ddp_pre_hook()))
+        layer.cuda_graph_manual_hooks = [(ddp_pre_hook(), (layer.lin1,))]
+        st.kept.append(layer.lin1.register_forward_pre_hook(ddp_pre_hook()))
     if step == 2:
         st.kept.pop().remove()
         layer.lin1.register_forward_pre_hook(lambda m, a: (a[0] * 0.5,))

@@ -14,12 +14,10 @@ from torch import nn
 import rng
 import te_graph
 from te_graph import Samples, make_graphed_callables
+from tests import harness
 from tests.graph_helpers import clone_modules, make_blocks, run_layers, weighted_loss
+from tests.harness import Trace
 
-MODES = [
-    pytest.param("cpu", True, id="eager-replay-cpu"),
-    pytest.param("cuda", False, id="graphs", marks=pytest.mark.gpu),
-]
 SHAPE = (16, 2, 64)
 
 
@@ -27,24 +25,25 @@ def _sample(device, seq=SHAPE[0]):
     return torch.randn(seq, *SHAPE[1:], device=device, requires_grad=True)
 
 
-def _train_and_compare(graphed, reference, device, seqs=(SHAPE[0],), steps=2):
-    for step in range(steps):
-        seq = seqs[step % len(seqs)]
-        x = torch.randn(seq, *SHAPE[1:], device=device, requires_grad=True)
-        x_ref = x.detach().clone().requires_grad_(True)
-        y, y_ref = run_layers(graphed, x), run_layers(reference, x_ref)
+def _train(layers, inputs) -> Trace:
+    """One call per input (leaf copies), each backpropagated: outputs, input grads and the
+    parameter grads accumulated over all of them."""
+    trace = Trace()
+    for x in inputs:
+        x = x.detach().clone().requires_grad_(True)
+        y = run_layers(layers, x)
         weighted_loss(y).backward()
-        weighted_loss(y_ref).backward()
-        assert torch.equal(y, y_ref), f"step {step}: output"
-        assert torch.equal(x.grad, x_ref.grad), f"step {step}: input grad"
-    for (name, p), q in zip(
-        [(n, p) for g in graphed for n, p in g.named_parameters()],
-        [p for r in reference for p in r.parameters()],
-    ):
-        assert torch.equal(p.grad, q.grad), f"grad of {name}"
+        trace.microbatch(y, x)
+    trace.step(p for layer in layers for p in layer.parameters())
+    return trace
 
 
-@pytest.mark.parametrize("device, eager_replay", MODES)
+def _train_and_compare(graphed, reference, device, seqs=(SHAPE[0],), steps=2):
+    inputs = [torch.randn(seqs[step % len(seqs)], *SHAPE[1:], device=device) for step in range(steps)]
+    harness.assert_same(_train(graphed, inputs), _train(reference, inputs))
+
+
+@pytest.mark.parametrize("device, eager_replay", harness.DEVICE_MODES)
 def test_capture_time_hooks_run_while_preparing_and_never_at_replay(device, eager_replay):
     blocks = make_blocks(n=2, device=device)
     calls = []
@@ -91,7 +90,7 @@ def test_capture_time_hooks_run_while_preparing_and_never_at_replay(device, eage
     assert calls == expected, "never replayed"
 
 
-@pytest.mark.parametrize("device, eager_replay", MODES)
+@pytest.mark.parametrize("device, eager_replay", harness.DEVICE_MODES)
 def test_torch_keywords_and_reset(device, eager_replay):
     blocks = make_blocks(n=2, device=device)
     reference = clone_modules(blocks)
@@ -116,7 +115,7 @@ def test_torch_keywords_and_reset(device, eager_replay):
     assert again is graphed[0] and "forward" in again.__dict__, "a reset module can be graphed again"
 
 
-@pytest.mark.parametrize("device, eager_replay", MODES)
+@pytest.mark.parametrize("device, eager_replay", harness.DEVICE_MODES)
 def test_several_shapes_with_dropout_and_recompute_equal_eager(device, eager_replay):
     """Each call's shape picks its graph; masks are eager's for every shape (the RNG
     contract holds per shape); an unseen shape names the captured ones."""
@@ -132,25 +131,22 @@ def test_several_shapes_with_dropout_and_recompute_equal_eager(device, eager_rep
     for layers in (graphed, reference):
         rng.model_parallel_cuda_manual_seed(3)
         data = torch.Generator().manual_seed(5)
-        run = []
+        run = Trace()
         for seq in seqs:
             x = torch.randn(seq, *SHAPE[1:], generator=data).to(device).requires_grad_(True)
             y = run_layers(layers, x)
             weighted_loss(y * y).backward()
-            run.append((y.detach().clone(), x.grad))  # a graphed output lives until its next replay
+            run.microbatch(y, x)
+        run.step(p for b in layers for p in b.parameters())
         runs.append(run)
-    for step, ((y, gx), (y_ref, gx_ref)) in enumerate(zip(*runs)):
-        assert torch.equal(y, y_ref), f"step {step} (seq {seqs[step]}): output"
-        assert torch.equal(gx, gx_ref), f"step {step} (seq {seqs[step]}): input grad"
-    for p, q in zip((p for b in blocks for p in b.parameters()), (q for r in reference for q in r.parameters())):
-        assert torch.equal(p.grad, q.grad)
+    harness.assert_same(*runs, f"shapes {seqs}")
     with pytest.raises(ValueError, match=re.escape(
             "callable 0 (GPTBlock): called with tensor shapes (5, 2, 64), but graphs were captured "
             "for (16, 2, 64); (8, 2, 64); (4, 2, 64). Pass more_shapes=[...]")):
         graphed[0](_sample(device, 5))
 
 
-@pytest.mark.parametrize("device, eager_replay", MODES)
+@pytest.mark.parametrize("device, eager_replay", harness.DEVICE_MODES)
 def test_unseen_shape_runs_eagerly_when_asked(device, eager_replay):
     blocks = make_blocks(n=2, device=device)
     reference = clone_modules(blocks)
@@ -168,7 +164,7 @@ def test_unseen_shape_runs_eagerly_when_asked(device, eager_replay):
                                   "(captured: (16, 2, 64); (8, 2, 64)); running it eagerly")
 
 
-@pytest.mark.parametrize("device, eager_replay", MODES)
+@pytest.mark.parametrize("device, eager_replay", harness.DEVICE_MODES)
 def test_mixing_shapes_before_their_backwards_is_refused(device, eager_replay):
     blocks = make_blocks(n=1, device=device)
     graphed = make_graphed_callables(

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import importlib.util
 import re
 
 import pytest
@@ -13,6 +12,8 @@ from torch import nn
 import rng
 from checkpointing import checkpoint
 from te_graph import make_graphed_callables
+from tests import harness
+from tests.harness import refused
 
 CUDA = torch.cuda.is_available()
 
@@ -30,26 +31,19 @@ def _x(device="cpu", requires_grad=True):
     return torch.randn(3, 4, device=device, requires_grad=requires_grad)
 
 
-def _unchanged(module, forward_before):
-    assert module.forward == forward_before
-    assert all(p.grad is None for p in module.parameters())
-
-
 def test_non_tensor_positional_sample_arg():
     m = Lin()
-    forward = m.forward
-    with pytest.raises(TypeError, match=r"positional sample arg 1 of callable 0 \(Lin\) is a float; positional sample args must be tensors .* Pass constants as sample_kwargs instead"):
-        make_graphed_callables(m, (_x(), 2.0), eager_replay=True)
-    _unchanged(m, forward)
+    sample = (_x(), 2.0)
+    with refused(TypeError, r"positional sample arg 1 of callable 0 \(Lin\) is a float; positional sample args must be tensors .* Pass constants as sample_kwargs instead", m):
+        make_graphed_callables(m, sample, eager_replay=True)
 
 
 def test_hooks_on_a_submodule():
     m = Lin()
     m.lin.register_forward_hook(lambda *a: None)
-    forward = m.forward
-    with pytest.raises(ValueError, match=r"submodule 'lin' of callable 0 has hooks registered \(_forward_hooks\); hooks would run only during capture, never at replay\. Remove them before graphing .*or pass them as capture_time_hooks=\.\.\."):
-        make_graphed_callables(m, (_x(),), eager_replay=True)
-    _unchanged(m, forward)
+    sample = (_x(),)
+    with refused(ValueError, r"submodule 'lin' of callable 0 has hooks registered \(_forward_hooks\); hooks would run only during capture, never at replay\. Remove them before graphing .*or pass them as capture_time_hooks=\.\.\.", m):
+        make_graphed_callables(m, sample, eager_replay=True)
 
 
 def test_buffer_requiring_grad():
@@ -130,21 +124,9 @@ def test_cuda_unavailable_points_to_eager_replay():
         make_graphed_callables(Lin(), (_x(),))
 
 
-def test_te_spellings_and_arguments():
+def test_order_spellings_and_unknown_keywords_are_named():
     with pytest.raises(TypeError, match=r"got both order= and _order=; pass one of them"):
         make_graphed_callables((Lin(),), ((_x(),),), order=[1, -1], _order=[1, -1], eager_replay=True)
-    # TE's FP8 arguments: checked before anything changes; FP8 itself needs TE.
-    with pytest.raises(ValueError, match=re.escape("both fp8_enabled= (deprecated) and enabled= are set; pass enabled= only.")):
-        make_graphed_callables(Lin(), (_x(),), fp8_enabled=True, enabled=True, eager_replay=True)
-    with pytest.raises(ValueError, match=re.escape("enabled= has 1 entries for 2 callables; give one bool, or one per callable.")):
-        make_graphed_callables((Lin(), Lin()), ((_x(),), (_x(),)), enabled=(True,), eager_replay=True)
-    with pytest.raises(TypeError, match=re.escape("enabled= must be a bool or a tuple of bools (one per callable), got 'yes'.")):
-        make_graphed_callables(Lin(), (_x(),), enabled="yes", eager_replay=True)
-    if importlib.util.find_spec("transformer_engine") is None:
-        with pytest.raises(RuntimeError, match=re.escape("FP8 capture needs Transformer Engine (transformer_engine.pytorch), which does not import here")):
-            make_graphed_callables(Lin(), (_x(),), enabled=True, eager_replay=True)
-    with pytest.warns(DeprecationWarning, match=re.escape("fp8_enabled= is deprecated (as in Transformer Engine); use enabled=.")):
-        make_graphed_callables(Lin(), (_x(),), fp8_enabled=False, eager_replay=True)
     with pytest.raises(TypeError, match=r"unexpected keyword argument 'bogus'; see help\(te_graph.make_graphed_callables\)"):
         make_graphed_callables(Lin(), (_x(),), bogus=1, eager_replay=True)
     # A misspelt keyword gets the close name.
@@ -153,9 +135,7 @@ def test_te_spellings_and_arguments():
     with pytest.raises(TypeError, match=r"unexpected keyword argument 'reuse_graph_input_output_buffer'; did you mean 'reuse_graph_input_output_buffers'\?"):
         make_graphed_callables(Lin(), (_x(),), reuse_graph_input_output_buffer=True, eager_replay=True)
     # TE's spelling of the order works the same as ours (one layer, two microbatches).
-    m = Lin()
-    graphed = make_graphed_callables((m,), ((_x(),), (_x(),)), _order=[1, 1, -1, -1], enabled=False, eager_replay=True)
-    assert len(graphed) == 2
+    assert len(make_graphed_callables((Lin(),), ((_x(),), (_x(),)), _order=[1, 1, -1, -1], eager_replay=True)) == 2
 
 
 def test_failed_capture_leaves_process_and_model_as_they_were():
@@ -172,20 +152,12 @@ def test_failed_capture_leaves_process_and_model_as_they_were():
     rng.model_parallel_cuda_manual_seed(3)
     m = Fails()
     m.lin.weight.grad = torch.ones_like(m.lin.weight)
-    forward = m.forward
     sample = (_x(),)
-    before = torch.get_rng_state(), rng.get_cuda_rng_tracker().get_states()
-    with pytest.raises(RuntimeError, match="boom in the second warmup pass"):
+    with refused(RuntimeError, "boom in the second warmup pass", m):  # grads and RNG put back
         make_graphed_callables(m, sample, eager_replay=True)
-    assert m.forward == forward
     assert torch.equal(m.lin.weight.grad, torch.ones_like(m.lin.weight)), "grads put back"
     assert m.lin.bias.grad is None
     assert gc.isenabled()
-    assert torch.equal(torch.get_rng_state(), before[0]), "RNG put back"
-    after = rng.get_cuda_rng_tracker().get_states()
-    assert all(
-        torch.equal(rng.to_byte_state(after[k]), rng.to_byte_state(before[1][k])) for k in after
-    )
 
 
 # -- parameter gradients the graph adds to .grad itself ---------------------------------------
@@ -193,10 +165,6 @@ def test_failed_capture_leaves_process_and_model_as_they_were():
 # replay's nested backward) adds it to .grad without autograd. What would need autograd's own
 # accumulation later in that call's life is refused at its backward; the same programs pass
 # with accumulate_grads_in_graph=False, bitwise equal to eager.
-REPLAY_MODES = [
-    pytest.param("cpu", True, id="eager-replay-cpu"),
-    pytest.param("cuda", False, id="graphs", marks=pytest.mark.gpu),
-]
 
 
 def _two_layers(device):
@@ -204,17 +172,16 @@ def _two_layers(device):
     return Lin(device), Lin(device)
 
 
-@pytest.mark.parametrize("device, eager_replay", REPLAY_MODES)
+@pytest.mark.parametrize("device, eager_replay", harness.DEVICE_MODES)
 def test_a_parameter_hook_registered_after_the_forward_is_refused_at_the_backward(device, eager_replay):
     m = Lin(device)
     graphed = make_graphed_callables(m, (_x(device),), eager_replay=eager_replay)
     y = graphed(_x(device))
     m.lin.weight.register_hook(lambda g: g * 0)
-    with pytest.raises(RuntimeError, match=r"callable 0 \(Lin\): a gradient hook \(or main_grad\) was put on one of "
-                       r"its parameters after this call's forward and before its backward; .* Register parameter "
-                       r"hooks before the forward, or pass accumulate_grads_in_graph=False"):
+    with refused(RuntimeError, r"callable 0 \(Lin\): a gradient hook \(or main_grad\) was put on one of "
+                 r"its parameters after this call's forward and before its backward; .* Register parameter "
+                 r"hooks before the forward, or pass accumulate_grads_in_graph=False", m):
         y.sum().backward()
-    assert all(p.grad is None for p in m.parameters())
     del y  # the refused call's result (its backward would be refused again)
     # Registered before the next forward, the hook runs, as in eager.
     y = graphed(_x(device))
@@ -223,7 +190,7 @@ def test_a_parameter_hook_registered_after_the_forward_is_refused_at_the_backwar
     assert m.lin.bias.grad.abs().sum() > 0
 
 
-@pytest.mark.parametrize("device, eager_replay", REPLAY_MODES)
+@pytest.mark.parametrize("device, eager_replay", harness.DEVICE_MODES)
 @pytest.mark.parametrize("use", ["regulariser", "input"])
 def test_a_parameter_reached_outside_the_call_in_its_backward_is_refused_unless_through_autograd(
         device, eager_replay, use):
@@ -258,11 +225,11 @@ def test_a_parameter_reached_outside_the_call_in_its_backward_is_refused_unless_
         loss_of(m, graphed).backward()
         torch.manual_seed(10 + step)
         loss_of(reference, reference).backward()
-        for (name, p), q in zip(m.named_parameters(), reference.parameters()):
-            assert torch.equal(p.grad, q.grad), f"step {step}: grad of {name}"
+        harness.assert_same([p.grad for p in m.parameters()], [q.grad for q in reference.parameters()],
+                            f"step {step}: parameter grads")
 
 
-@pytest.mark.parametrize("device, eager_replay", REPLAY_MODES)
+@pytest.mark.parametrize("device, eager_replay", harness.DEVICE_MODES)
 def test_a_weight_tied_across_two_graphing_calls_is_refused_at_the_backward(device, eager_replay):
     """Tied in one call, exact (tests/test_silent.py); graphed by two calls, the second call's
     gradient goes through autograd and the first call's backward refuses the second use."""
@@ -275,7 +242,7 @@ def test_a_weight_tied_across_two_graphing_calls_is_refused_at_the_backward(devi
         b(a(_x(device))).sum().backward()
 
 
-@pytest.mark.parametrize("device, eager_replay", REPLAY_MODES)
+@pytest.mark.parametrize("device, eager_replay", harness.DEVICE_MODES)
 def test_inputs_sharing_memory_with_one_the_forward_updates_are_refused(device, eager_replay):
     class Accumulates(Lin):
         def forward(self, x, acc=None, bias=None):
@@ -312,7 +279,7 @@ class TwoHeads(nn.Module):
         return torch.relu(h), h * 2.0
 
 
-@pytest.mark.parametrize("device, eager_replay", REPLAY_MODES)
+@pytest.mark.parametrize("device, eager_replay", harness.DEVICE_MODES)
 @pytest.mark.parametrize("warmup", [3, 1], ids=["warmup3", "warmup1"])
 def test_an_output_the_backward_reads_updated_in_place_is_refused_as_eager_autograd_refuses_it(
         device, eager_replay, warmup):
@@ -337,11 +304,11 @@ def test_an_output_the_backward_reads_updated_in_place_is_refused_as_eager_autog
     # Output 0 updated in place: eager autograd refuses the backward, and so does te_graph.
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         step(eager, update_a)
-    with pytest.raises(RuntimeError, match=r"callable 0 \(TwoHeads\): an output of this call was updated in place "
-                       r"after its forward, and the backward reads that output.*modified by an inplace operation.*"
-                       r"Update a copy of the output"):
+    # the refused backward changes nothing (the step draws its own input: the streams move)
+    with refused(RuntimeError, r"callable 0 \(TwoHeads\): an output of this call was updated in place "
+                 r"after its forward, and the backward reads that output.*modified by an inplace operation.*"
+                 r"Update a copy of the output", m, random=False):
         step(graphed, update_a)
-    assert all(p.grad is None for p in m.parameters()), "the refused backward changed nothing"
     eager.zero_grad(set_to_none=True)
     # Output 1 updated in place: its backward does not read it, so eager trains on, and so
     # does te_graph, bitwise, where warmup could find that out (two passes or more).
@@ -356,8 +323,7 @@ def test_an_output_the_backward_reads_updated_in_place_is_refused_as_eager_autog
                 step(graphed, update_b)
             return
         step(graphed, update_b)
-    for p, q in zip(m.parameters(), eager.parameters()):
-        assert torch.equal(p.grad, q.grad)
+    harness.assert_same([p.grad for p in m.parameters()], [q.grad for q in eager.parameters()])
 
 
 class Router(nn.Module):
@@ -371,7 +337,7 @@ class Router(nn.Module):
         return self.lin(x).topk(2, dim=-1)
 
 
-@pytest.mark.parametrize("device, eager_replay", REPLAY_MODES)
+@pytest.mark.parametrize("device, eager_replay", harness.DEVICE_MODES)
 def test_an_output_without_grad_the_backward_reads_updated_in_place_is_refused(device, eager_replay):
     """An MoE router shifting its expert indices in place (indices += offset) after the call:
     eager autograd refuses the backward, which scatters by those indices."""
@@ -388,9 +354,8 @@ def test_an_output_without_grad_the_backward_reads_updated_in_place_is_refused(d
 
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         step(eager)
-    with pytest.raises(RuntimeError, match=r"callable 0 \(Router\): an output of this call was updated in place"):
-        step(graphed)
-    assert all(p.grad is None for p in m.parameters())
+    with refused(RuntimeError, r"callable 0 \(Router\): an output of this call was updated in place", m, random=False):
+        step(graphed)  # draws its own input
 
 
 class Checkpointed(Lin):
@@ -398,7 +363,7 @@ class Checkpointed(Lin):
         return checkpoint(self.lin, x, use_reentrant=True)
 
 
-@pytest.mark.parametrize("device, eager_replay", REPLAY_MODES)
+@pytest.mark.parametrize("device, eager_replay", harness.DEVICE_MODES)
 def test_a_reentrant_checkpoint_fed_an_input_without_grad_is_refused_as_eager_refuses_it(device, eager_replay):
     """The graphs run no checkpoint code at replay: te_graph raises what eager code raises,
     before anything runs; under no_grad the call runs, as in eager."""
@@ -430,12 +395,11 @@ def test_a_keyword_object_holding_tensors_is_refused_at_graphing():
             return self.lin(x) * info.cu_seqlens[-1]
 
     m = Packed()
-    forward = m.forward
-    with pytest.raises(TypeError, match=r"keyword argument 'info' of callable 0 \(Packed\) is a SequenceInfo holding "
-                       r"tensors \(its 'cu_seqlens'\), which is not a pytree: .* register the class as a pytree node"):
-        make_graphed_callables(m, (_x(),), sample_kwargs={"info": SequenceInfo(torch.tensor([0, 3]))},
+    sample = (_x(),)
+    with refused(TypeError, r"keyword argument 'info' of callable 0 \(Packed\) is a SequenceInfo holding "
+                 r"tensors \(its 'cu_seqlens'\), which is not a pytree: .* register the class as a pytree node", m):
+        make_graphed_callables(m, sample, sample_kwargs={"info": SequenceInfo(torch.tensor([0, 3]))},
                                eager_replay=True)
-    _unchanged(m, forward)
     # A module passed along is model state, read by address like the callable's own: accepted.
 
     class Activated(Lin):
@@ -561,16 +525,14 @@ def test_a_host_wait_is_refused_by_name_and_the_layer_then_trains_eagerly(kind):
     rng.model_parallel_cuda_manual_seed(4)
     m = Waits(wait)
     sample = (_x("cuda"),)
-    state = _State(m)
     offset = torch.cuda.default_generators[torch.cuda.current_device()].get_offset()
-    with pytest.raises(HostSyncError) as refused:
+    with refused(HostSyncError, "", m) as raised:
         make_graphed_callables(m, sample)
-    text = str(refused.value)
+    text = str(raised.value)
     assert text.startswith(f"make_graphed_callables: callable 0 (Waits) waits for the GPU from the host while it "
                            f"is captured: {op}"), text
     assert re.search(r" at tests/test_errors\.py:\d+ \(`", text), text
     assert "Graph the parts before and after it separately" in text and "were left as they were" in text
-    state.assert_unchanged()
     assert torch.cuda.default_generators[torch.cuda.current_device()].get_offset() == offset
     assert gc.isenabled()
     # The layer trains eagerly, dropout included (the generators left capture mode).
@@ -685,41 +647,12 @@ def test_host_wait_patches_are_owned_once_and_put_back_when_the_last_capture_win
 
 
 # -- refused before anything changes: the module, its grads and buffers, the RNG ------------------
-class _State:
-    """What a refused call must leave as it was."""
-
-    def __init__(self, module):
-        self.module = module
-        self.forward = module.forward if isinstance(module, nn.Module) else None
-        self.params = {n: (p, p.detach().clone(), None if p.grad is None else p.grad.clone()) for n, p in module.named_parameters()} if isinstance(module, nn.Module) else {}
-        self.buffers = {n: (b, b.clone()) for n, b in module.named_buffers()} if isinstance(module, nn.Module) else {}
-        self.cpu = torch.get_rng_state()
-        self.tracker = {k: rng.to_byte_state(v) for k, v in rng.get_cuda_rng_tracker().get_states().items()}
-
-    def assert_unchanged(self):
-        m = self.module
-        if isinstance(m, nn.Module):
-            assert "forward" not in m.__dict__ or m.forward == self.forward, "forward replaced"
-            for name, (p, value, grad) in self.params.items():
-                assert dict(m.named_parameters())[name] is p, f"parameter {name} replaced"
-                assert torch.equal(p, value), f"parameter {name} changed"
-                assert (p.grad is None) == (grad is None), f"grad of {name} changed"
-                assert grad is None or torch.equal(p.grad, grad), f"grad of {name} changed"
-            for name, (b, value) in self.buffers.items():
-                assert dict(m.named_buffers())[name] is b, f"buffer {name} replaced"
-                assert torch.equal(b, value), f"buffer {name} changed"
-        assert torch.equal(torch.get_rng_state(), self.cpu), "CPU generator moved"
-        now = {k: rng.to_byte_state(v) for k, v in rng.get_cuda_rng_tracker().get_states().items()}
-        assert now.keys() == self.tracker.keys() and all(torch.equal(now[k], self.tracker[k]) for k in now)
-
-
-def _refused(error, message, call, *modules):
+def _refused(error, message, call, *things):
+    """``call()`` is refused as tests/harness.py defines it, with streams in the RNG tracker
+    for the snapshot to compare."""
     rng.model_parallel_cuda_manual_seed(11)
-    states = [_State(m) for m in modules]
-    with pytest.raises(error, match=message):
+    with refused(error, message, *things):
         call()
-    for state in states:
-        state.assert_unchanged()
 
 
 X = _x()  # samples made once: a refused call must not even move the CPU generator
@@ -834,7 +767,7 @@ def test_an_input_requiring_grad_updated_in_place_is_refused():
     counter = torch.zeros((), requires_grad=True)
     before = counter.detach().clone()
     _refused(ValueError, re.escape("callable 0 (_BumpsInput) updates its positional input 1 in place, and that sample requires grad. A graph cannot replay what autograd records") + ".*" + re.escape("Pass that input with requires_grad=False"),
-             lambda: make_graphed_callables(m, (X, counter), eager_replay=True), m)
+             lambda: make_graphed_callables(m, (X, counter), eager_replay=True), m, counter)
     assert torch.equal(counter.detach(), before), "the sample was put back"
 
 
@@ -845,7 +778,7 @@ def test_tensor_closed_over_that_requires_grad_is_refused():
         return x @ w
 
     _refused(ValueError, re.escape("callable 0 (f) uses 1 tensor(s) that require grad but are neither its inputs nor parameters of a graphed module (shape (4, 4), dtype torch.float32, device cpu)") + ".*" + re.escape("Pass such a tensor as an input"),
-             lambda: make_graphed_callables(f, X1, eager_replay=True))
+             lambda: make_graphed_callables(f, X1, eager_replay=True), w)
     assert w.grad is None
 
 
@@ -945,7 +878,7 @@ def test_a_weight_closed_over_inside_a_reentrant_checkpoint_is_refused_before_it
         return checkpoint(lambda t: t @ w, x)
 
     _refused(ValueError, re.escape("callable 0 (f) uses 1 tensor(s) that require grad but are neither its inputs nor parameters of a graphed module (shape (4, 4), dtype torch.float32, device cpu)"),
-             lambda: make_graphed_callables(f, X1, eager_replay=True))
+             lambda: make_graphed_callables(f, X1, eager_replay=True), w)
     assert w.grad is None
 
 
@@ -963,7 +896,7 @@ def test_a_weight_inside_another_librarys_reentrant_checkpoint_is_refused_and_gr
         return torch_checkpoint.checkpoint(lambda t: t @ w, x, use_reentrant=True)
 
     _refused(ValueError, re.escape("callable 0 (f) uses 1 tensor(s) that require grad but are neither its inputs nor parameters of a graphed module (shape (4, 4), dtype torch.float32, device cpu)"),
-             lambda: make_graphed_callables(f, X1, eager_replay=True))
+             lambda: make_graphed_callables(f, X1, eager_replay=True), w, bystander)
     assert w.grad is None and bystander.grad is kept
 
 

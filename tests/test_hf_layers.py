@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+from dataclasses import dataclass
 from typing import Callable
 
 import pytest
 import torch
 
 import te_graph
+from tests import harness
 from tests.graph_helpers import weighted_loss
+from tests.harness import Trace
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
                                 reason='needs Hugging Face transformers: pip install -e ".[test]"')
@@ -65,49 +68,54 @@ def _bert(attention: str) -> tuple[Callable[[], torch.nn.Module], Callable[[torc
 
 
 LAYERS = {"llama": _llama, "gpt2": _gpt2, "bert": _bert}
-MODES = [pytest.param("cpu", True, id="cpu-eager-replay"),
-         pytest.param("cuda", False, id="cuda-graphs", marks=pytest.mark.gpu),
-         pytest.param("cuda", True, id="cuda-eager-replay", marks=pytest.mark.gpu)]
+
+
+@dataclass(frozen=True)
+class HFRow(harness.Row):
+    """A Hugging Face layer, its attention implementation, and whether its input requires grad."""
+
+    id: str
+    kind: str
+    attention: str
+    input_grad: bool
+
+
+ROWS = [HFRow(f"{kind}-{attention}-{'input-grad' if grad else 'input-no-grad'}", kind, attention, grad)
+        for kind in LAYERS for attention in ("eager", "sdpa") for grad in (True, False)]
+MODES = [pytest.param("cpu", harness.EAGER_REPLAY, id="cpu-eager-replay"),
+         pytest.param("cuda", harness.GRAPHS, id="cuda-graphs", marks=pytest.mark.gpu),
+         pytest.param("cuda", harness.EAGER_REPLAY, id="cuda-eager-replay", marks=pytest.mark.gpu)]
 
 
 def _first(out):
     return out[0] if isinstance(out, tuple) else out
 
 
-def _train(layer: torch.nn.Module, call: Callable, keywords: dict, inputs: list[torch.Tensor]) -> dict:
-    """SGD steps from one seed: every step's loss and input gradient, the weights after."""
+def _train(layer: torch.nn.Module, call: Callable, keywords: dict, inputs: list[torch.Tensor]) -> Trace:
+    """SGD steps from one seed: every step's loss (as its output) and input gradient, the
+    weights after."""
     torch.manual_seed(7)
     optimizer = torch.optim.SGD(layer.parameters(), lr=1e-3)
-    losses, input_grads = [], []
+    trace = Trace()
     for x in inputs:
         x = x.detach().clone().requires_grad_(x.requires_grad)
         loss = weighted_loss(_first(call(x, **keywords)))
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
-        input_grads.append(x.grad)
-    return {"losses": losses, "input_grads": input_grads, "weights": [p.detach().clone() for p in layer.parameters()]}
+        trace.microbatch(loss, x)
+    trace.weights = [p.detach().clone() for p in layer.parameters()]
+    return trace
 
 
-def _assert_same(got: dict, want: dict, what: str) -> None:
-    for name in ("losses", "input_grads", "weights"):
-        for step, (a, b) in enumerate(zip(got[name], want[name])):
-            if a is None or b is None:
-                assert a is b, f"{what}: {name}[{step}] is {a} against eager's {b}"
-                continue
-            assert torch.equal(a, b), f"{what}: {name}[{step}] differs (max {(a.float() - b.float()).abs().max().item():.3g})"
-
-
-@pytest.mark.parametrize("device, eager_replay", MODES)
-@pytest.mark.parametrize("input_grad", [True, False], ids=["input-grad", "input-no-grad"])
-@pytest.mark.parametrize("attention", ["eager", "sdpa"])
-@pytest.mark.parametrize("kind", list(LAYERS))
-def test_hf_layer_trains_as_eager(kind, attention, input_grad, device, eager_replay):
+@pytest.mark.parametrize("device, mode", MODES)
+@pytest.mark.parametrize("row", ROWS, ids=str)
+def test_hf_layer_trains_as_eager(row, device, mode):
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     device = torch.device(device)
-    make, keywords_for = LAYERS[kind](attention)
+    kind, input_grad = row.kind, row.input_grad
+    make, keywords_for = LAYERS[kind](row.attention)
     torch.manual_seed(0)
     eager = make().to(device).train()
     graphed_layer = copy.deepcopy(eager)
@@ -116,9 +124,9 @@ def test_hf_layer_trains_as_eager(kind, attention, input_grad, device, eager_rep
     inputs = [torch.randn(B, S, H, device=device, generator=generator).requires_grad_(input_grad) for _ in range(STEPS)]
     sample = torch.randn(B, S, H, device=device).requires_grad_(input_grad)
     graphed = te_graph.make_graphed_callables(graphed_layer, (sample,), sample_kwargs=keywords,
-                                              eager_replay=eager_replay)
+                                              eager_replay=harness.eager_replay(mode))
 
-    _assert_same(_train(graphed_layer, graphed, keywords, inputs), _train(eager, eager, keywords, inputs), kind)
+    harness.assert_same(_train(graphed_layer, graphed, keywords, inputs), _train(eager, eager, keywords, inputs), kind)
     # A validation pass in eval mode (dropout off, no grad) runs eagerly, then training goes on.
     for layer in (eager, graphed_layer):
         layer.eval()
@@ -126,11 +134,12 @@ def test_hf_layer_trains_as_eager(kind, attention, input_grad, device, eager_rep
         assert torch.equal(_first(graphed(inputs[0], **keywords)), _first(eager(inputs[0], **keywords)))
     for layer in (eager, graphed_layer):
         layer.train()
-    _assert_same(_train(graphed_layer, graphed, keywords, inputs), _train(eager, eager, keywords, inputs), kind)
+    harness.assert_same(_train(graphed_layer, graphed, keywords, inputs), _train(eager, eager, keywords, inputs),
+                        f"{kind}, after the validation pass")
 
 
-@pytest.mark.parametrize("device, eager_replay", MODES)
-def test_hf_layers_graphed_together_train_as_eager(device, eager_replay):
+@pytest.mark.parametrize("device, mode", MODES)
+def test_hf_layers_graphed_together_train_as_eager(device, mode):
     """Two Llama decoder layers as two callables of one make_graphed_callables call (one
     pool), chained as a model chains them, each with the model's rotary embeddings."""
     if device == "cuda" and not torch.cuda.is_available():
@@ -145,7 +154,7 @@ def test_hf_layers_graphed_together_train_as_eager(device, eager_replay):
     inputs = [torch.randn(B, S, H, device=device, generator=generator, requires_grad=True) for _ in range(STEPS)]
     samples = tuple((torch.randn(B, S, H, device=device, requires_grad=True),) for _ in range(2))
     graphed = te_graph.make_graphed_callables(tuple(graphed_layers), samples, sample_kwargs=(keywords, keywords),
-                                              eager_replay=eager_replay)
+                                              eager_replay=harness.eager_replay(mode))
 
     def chain(layers):
         def call(x, **kw):
@@ -154,5 +163,5 @@ def test_hf_layers_graphed_together_train_as_eager(device, eager_replay):
             return x
         return call
 
-    _assert_same(_train(graphed_layers, chain(graphed), keywords, inputs), _train(eager, chain(eager), keywords, inputs),
-                 "two llama layers")
+    harness.assert_same(_train(graphed_layers, chain(graphed), keywords, inputs),
+                        _train(eager, chain(eager), keywords, inputs), "two llama layers")

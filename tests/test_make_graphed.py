@@ -10,42 +10,43 @@ import torch
 
 import rng
 import te_graph
-from te_graph import make_graphed_callables
-from tests.graph_helpers import assert_all_equal, clone_modules, make_blocks, run_layers
 from examples.gpt import causal_mask
+from te_graph import make_graphed_callables
+from tests import harness
+from tests.graph_helpers import clone_modules, make_blocks, run_layers
+from tests.harness import EAGER, EAGER_REPLAY, GRAPHS, Trace
 
 SHAPE = (16, 2, 64)  # [s, b, h]
 
 
-def _mask_test(device, eager_replay):
-    blocks = make_blocks(device=device)
-    reference = clone_modules(blocks)
+def _mask_run(device, mode) -> Trace:
+    """Three calls, each with another attention mask: outputs and input grads."""
+    layers = make_blocks(device=device)
     mask = causal_mask(SHAPE[0], device)
-    sample = tuple((torch.randn(SHAPE, device=device, requires_grad=True),) for _ in blocks)
-    kwargs = tuple({"attention_mask": mask.clone()} for _ in blocks)
-    graphed = make_graphed_callables(tuple(blocks), sample, sample_kwargs=kwargs, eager_replay=eager_replay)
+    if mode != EAGER:
+        sample = tuple((torch.randn(SHAPE, device=device, requires_grad=True),) for _ in layers)
+        kwargs = tuple({"attention_mask": mask.clone()} for _ in layers)
+        layers = make_graphed_callables(tuple(layers), sample, sample_kwargs=kwargs, eager_replay=harness.eager_replay(mode))
     g = torch.Generator(device="cpu").manual_seed(3)
-    for step in range(3):
+    trace = Trace()
+    for _ in range(3):
         # A different mask at every replay: random extra masked positions on top of causal.
         mask_now = mask | (torch.rand(1, 1, *SHAPE[:1] * 2, generator=g) < 0.2).to(device)
         mask_now[..., 0] = False  # every query keeps one key
         x = torch.randn(SHAPE, generator=g).to(device).requires_grad_(True)
-        y = run_layers(graphed, x, attention_mask=mask_now)
+        y = run_layers(layers, x, attention_mask=mask_now)
         y.sum().backward()
-        x_ref = x.detach().clone().requires_grad_(True)
-        y_ref = run_layers(reference, x_ref, attention_mask=mask_now)
-        y_ref.sum().backward()
-        assert torch.equal(y, y_ref), f"step {step}: outputs differ"
-        assert torch.equal(x.grad, x_ref.grad), f"step {step}: input grads differ"
+        trace.microbatch(y, x)
+    return trace
 
 
 @pytest.mark.gpu
 def test_attention_mask_kwarg_changes_every_replay():
-    _mask_test("cuda", eager_replay=False)
+    harness.differential(lambda mode: _mask_run("cuda", mode), [GRAPHS])
 
 
 def test_attention_mask_kwarg_eager_replay_cpu():
-    _mask_test("cpu", eager_replay=True)
+    harness.differential(lambda mode: _mask_run("cpu", mode), [EAGER_REPLAY])
 
 
 def _eval_test(device, eager_replay):
@@ -103,11 +104,9 @@ class _TwoInputs(torch.nn.Module):
 def _unused_test(device, eager_replay):
     module = _TwoInputs(device)
     sample = (torch.randn(4, 8, device=device, requires_grad=True), torch.randn(4, 8, device=device, requires_grad=True))
-    forward_before = module.forward
-    with pytest.raises(ValueError, match=r"input 1 of callable 0 \(_TwoInputs\) requires grad, but no output depends on it\. Pass allow_unused_input=True"):
+    with harness.refused(ValueError, r"input 1 of callable 0 \(_TwoInputs\) requires grad, but no output depends on it\. Pass allow_unused_input=True",
+                         module):  # a failed capture leaves the module, its grads and the RNG as they were
         make_graphed_callables(module, sample, eager_replay=eager_replay)
-    assert module.forward == forward_before, "a failed capture leaves the module as it was"
-    assert all(p.grad is None for p in module.parameters()), "a failed capture leaves grads as they were"
     graphed = make_graphed_callables(module, sample, allow_unused_input=True, eager_replay=eager_replay)
     x = torch.randn(4, 8, device=device, requires_grad=True)
     u = torch.randn(4, 8, device=device, requires_grad=True)
@@ -169,7 +168,7 @@ def test_set_to_none_and_leaf_inputs_get_their_own_grads():
         x_ref = x.detach().clone().requires_grad_(True)
         run_layers(reference, x_ref).sum().backward()
         kept.append((x.grad, x_ref.grad.clone()))
-        assert_all_equal([p.grad for p in params_g], [p.grad for p in params_e], f"step {step} param grad")
+        harness.assert_same([p.grad for p in params_g], [p.grad for p in params_e], f"step {step} param grads")
     for step, (grad, expected) in enumerate(kept):
         assert torch.equal(grad, expected), f"leaf grad of step {step} was overwritten by a later replay"
 
@@ -267,7 +266,7 @@ def _replay_order_test(device, eager_replay):
                  [("f", 0, 3), ("f", 2, 1), ("b", 2, 1), ("b", 0, 3)]):
         run(graphed, flow)
         run(reference, flow)
-        assert_all_equal(_grads(blocks), _grads(reference), f"{flow}: parameter grads")
+        harness.assert_same(_grads(blocks), _grads(reference), f"{flow}: parameter grads")
     # A forward whose result is dropped leaves nothing waiting.
     graphed[2](xs[0].clone().requires_grad_(True))
     y0 = graphed[0](xs[1].clone().requires_grad_(True))[0]
@@ -285,11 +284,8 @@ def _replay_order_test(device, eager_replay):
     graphed[0](xs[2].clone().requires_grad_(True))[0].sum().backward()
 
 
-# Graphs on a GPU, eager replay on the CPU.
-MODES = [pytest.param("cuda", False, marks=pytest.mark.gpu, id="graphs"), pytest.param("cpu", True, id="eager-replay-cpu")]
 
-
-@pytest.mark.parametrize("device, eager_replay", MODES)
+@pytest.mark.parametrize("device, eager_replay", harness.DEVICE_MODES)
 def test_replays_out_of_the_captured_order_are_refused_where_they_could_overwrite(device, eager_replay):
     _replay_order_test(device, eager_replay)
 
@@ -312,10 +308,10 @@ def _microbatch_order_test(device, eager_replay):
     mb1(x1.clone().requires_grad_(True))[0].sum().backward()
     for x in (x0, x1):
         reference[0](x.clone().requires_grad_(True))[0].sum().backward()
-    assert_all_equal(_grads(blocks), _grads(reference), "parameter grads")
+    harness.assert_same(_grads(blocks), _grads(reference), "parameter grads")
 
 
-@pytest.mark.parametrize("device, eager_replay", MODES)
+@pytest.mark.parametrize("device, eager_replay", harness.DEVICE_MODES)
 def test_a_microbatch_backward_out_of_the_captured_order_is_refused(device, eager_replay):
     _microbatch_order_test(device, eager_replay)
 
@@ -334,7 +330,7 @@ def _retained_test(device, eager_replay):
         y0, y1 = layers[0](x0.clone().requires_grad_(True))[0], layers[1](x1.clone().requires_grad_(True))[0]
         y0.sum().backward()
         y1.sum().backward()
-    assert_all_equal(_grads(blocks), _grads(reference), "parameter grads")
+    harness.assert_same(_grads(blocks), _grads(reference), "parameter grads")
     y1 = graphed[1](x1.clone().requires_grad_(True))[0]
     y1.sum().backward(retain_graph=True)
     graphed[0](x0.clone().requires_grad_(True))[0].sum().backward()
@@ -349,7 +345,7 @@ def _retained_test(device, eager_replay):
     graphed[0](x0.clone().requires_grad_(True))[0].sum().backward()
 
 
-@pytest.mark.parametrize("device, eager_replay", MODES)
+@pytest.mark.parametrize("device, eager_replay", harness.DEVICE_MODES)
 def test_a_second_backward_after_a_replay_that_may_have_overwritten_its_activations_is_refused(device, eager_replay):
     _retained_test(device, eager_replay)
 
@@ -376,6 +372,6 @@ def _shared_pool_test(device, eager_replay):
     yb.sum().backward()
 
 
-@pytest.mark.parametrize("device, eager_replay", MODES)
+@pytest.mark.parametrize("device, eager_replay", harness.DEVICE_MODES)
 def test_calls_sharing_a_pool_replay_while_none_of_the_other_waits(device, eager_replay):
     _shared_pool_test(device, eager_replay)

@@ -27,12 +27,18 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import dataclass
 
 import pytest
 import torch
 
 from examples import megatron_gpt
+from tests import harness
+from tests.graph_helpers import require
+from tests.harness import EAGER, EAGER_REPLAY, GRAPHED, GRAPHS, Trace
 from tests.multi_gpu_helpers import fresh_process_env
+
+require("te_graph.integrations.megatron", "megatron-core's integration")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
@@ -99,6 +105,33 @@ SETUPS.update({
 })
 
 
+@dataclass(frozen=True)
+class Run(harness.Row):
+    """A row: examples/megatron_gpt.py with these arguments, every mode in one fresh process
+    (``span``: where the capacity graphs end)."""
+
+    id: str
+    args: tuple
+    span: str = "dispatch"
+    gpu_only: bool = True
+
+
+def rows(setups: dict) -> list:
+    """The setups of a table (name -> arguments, or (arguments, span)) as the harness's rows."""
+    return harness.params([Run(name, tuple(value[0]), value[1]) if isinstance(value, tuple) else Run(name, tuple(value))
+                           for name, value in setups.items()], "cuda")
+
+
+# The example's name for each mode's records.
+RECORDS = {EAGER: "eager", GRAPHS: "te_graph", EAGER_REPLAY: "te_graph_replay"}
+
+
+def _trace(record: dict) -> Trace:
+    """A mode's record as the harness's trace: each step's losses (the outputs), main_grads and
+    weights after the optimizer step."""
+    return Trace(outputs=record["losses"], main_grads=record["main_grads"], weights=record["weights"])
+
+
 def _example(tmp_path, setup: list[str], graphs: str = "eager,te_graph,te_graph_replay",
              ranks: int = 1) -> subprocess.CompletedProcess:
     """The example in a fresh process on this worker's GPU, or under torchrun on ``ranks`` GPUs."""
@@ -116,27 +149,17 @@ def _run(tmp_path, setup: list[str], ranks: int = 1, graphs: str = "eager,te_gra
     return [torch.load(megatron_gpt.rank_path(str(tmp_path / "records.pt"), rank, ranks)) for rank in range(ranks)]
 
 
-def _assert_same(got: dict, want: dict, what: str) -> None:
-    for step, (a, b) in enumerate(zip(got["losses"], want["losses"])):
-        assert torch.equal(a, b), f"{what}: step {step} losses {a.tolist()} vs eager {b.tolist()}"
-    for name in ("main_grads", "weights"):
-        for step, (a, b) in enumerate(zip(got[name], want[name])):
-            for i, (x, y) in enumerate(zip(a, b)):
-                assert torch.equal(x, y), (
-                    f"{what}: step {step} {name}[{i}] differs (max {(x.float() - y.float()).abs().max().item():.3g})")
-
-
-@pytest.mark.parametrize("setup", list(SETUPS), ids=list(SETUPS))
+@pytest.mark.parametrize("setup", rows(SETUPS))
 def test_megatron_helper_with_te_graph_trains_as_eager(tmp_path, setup):
-    _assert_trains_as_eager(_run(tmp_path, SETUPS[setup])[0], setup)
+    _assert_trains_as_eager(_run(tmp_path, list(setup.args))[0], setup.id)
 
 
 def _assert_trains_as_eager(records: dict, setup: str) -> None:
-    graphed, replay, eager = records["te_graph"], records["te_graph_replay"], records["eager"]
+    graphed, eager = records[RECORDS[GRAPHS]], records[RECORDS[EAGER]]
     assert graphed["graphed_with"].startswith("te_graph"), graphed["graphed_with"]
     assert len(graphed["losses"]) == len(eager["losses"]) == 4
-    _assert_same(graphed, eager, f"{setup}, te_graph's graphs")
-    _assert_same(replay, eager, f"{setup}, te_graph's eager replay")
+    for mode in GRAPHED["cuda"]:
+        harness.assert_same(_trace(records[RECORDS[mode]]), _trace(eager), f"{setup}, te_graph's {mode}")
 
 
 # Hooks on megatron-core layers the helper graphs. On the layer itself, registered after the
@@ -258,14 +281,14 @@ CAPACITY_SETUPS = {
 }
 
 
-@pytest.mark.parametrize("setup", list(CAPACITY_SETUPS), ids=list(CAPACITY_SETUPS))
+@pytest.mark.parametrize("setup", rows(CAPACITY_SETUPS))
 def test_dropless_experts_in_capacity_graphs_equal_their_eager_replay(tmp_path, setup):
     """Dropless routing with the experts in graphs, one per token capacity (a call beyond the
     largest runs eagerly): bitwise equal to te_graph's eager replay of the same padded program
     (losses, main_grad and weights at every step); against the unpadded eager experts, the
     difference is reported (other GEMM shapes, other rounding) and bounded."""
-    records = _run(tmp_path, MOE + PARTIAL + CAPACITY_SETUPS[setup])[0]
-    _assert_capacity_graphs_equal_their_replay(records, setup, "experts" if "experts-span" in setup else "dispatch")
+    records = _run(tmp_path, MOE + PARTIAL + list(setup.args))[0]
+    _assert_capacity_graphs_equal_their_replay(records, setup.id, "experts" if "experts-span" in setup.id else "dispatch")
 
 
 def test_the_dispatch_in_capacity_graphs_changes_no_bit_of_the_experts_only_graphs(tmp_path):
@@ -278,7 +301,8 @@ def test_the_dispatch_in_capacity_graphs_changes_no_bit_of_the_experts_only_grap
     for kind in ("te_graph", "te_graph_replay"):
         assert runs["dispatch"][kind]["expert_calls"]["spans"] == ["dispatch"]
         assert runs["experts"][kind]["expert_calls"]["spans"] == ["experts"]
-        _assert_same(runs["dispatch"][kind], runs["experts"][kind], f"{kind}: dispatch span vs experts span")
+        harness.assert_same(_trace(runs["dispatch"][kind]), _trace(runs["experts"][kind]),
+                            f"{kind}: dispatch span vs experts span", reference="experts span")
 
 
 def _assert_capacity_graphs_equal_their_replay(records: dict, setup: str, span: str) -> None:
@@ -289,7 +313,8 @@ def _assert_capacity_graphs_equal_their_replay(records: dict, setup: str, span: 
     if setup.startswith("fp8"):
         assert calls["eager"] > 0, calls
     assert replay["expert_calls"] == calls
-    _assert_same(graphed, replay, f"{setup}: capacity graphs vs their eager replay")
+    harness.assert_same(_trace(graphed), _trace(replay), f"{setup}: capacity graphs vs their eager replay",
+                        reference="eager replay")
     difference = _max_difference(graphed, eager)
     print(f"{setup}: capacity graphs vs unpadded eager: max difference {difference:.3g}; calls {calls}")
     for a, b in zip(graphed["losses"], eager["losses"]):
@@ -351,9 +376,10 @@ PARALLEL_SETUPS = {**EXPERT_PARALLEL_SETUPS, **MODEL_PARALLEL_SETUPS}
 
 
 @pytest.mark.multi_gpu
-@pytest.mark.parametrize("setup", list(PARALLEL_SETUPS), ids=list(PARALLEL_SETUPS))
-def test_parallel_layers_train_as_eager_on_two_gpus(tmp_path, setup):
-    ranks = _run(tmp_path, PARALLEL_SETUPS[setup], ranks=2)
+@pytest.mark.parametrize("row", rows(PARALLEL_SETUPS))
+def test_parallel_layers_train_as_eager_on_two_gpus(tmp_path, row):
+    setup = row.id
+    ranks = _run(tmp_path, list(row.args), ranks=2)
     for rank, records in enumerate(ranks):
         _assert_trains_as_eager(records, f"{setup}, rank {rank}")
     # The losses live on the last pipeline stage (on every rank without pipeline parallelism).
@@ -393,9 +419,9 @@ PARALLEL_CAPACITY_SETUPS = {
 
 
 @pytest.mark.multi_gpu
-@pytest.mark.parametrize("setup", list(PARALLEL_CAPACITY_SETUPS), ids=list(PARALLEL_CAPACITY_SETUPS))
-def test_capacity_graphs_equal_their_eager_replay_on_two_gpus(tmp_path, setup):
-    arguments, span = PARALLEL_CAPACITY_SETUPS[setup]
+@pytest.mark.parametrize("row", rows(PARALLEL_CAPACITY_SETUPS))
+def test_capacity_graphs_equal_their_eager_replay_on_two_gpus(tmp_path, row):
+    setup, arguments, span = row.id, list(row.args), row.span
     ranks = _run(tmp_path, arguments, ranks=2)
     for rank, records in enumerate(ranks):
         _assert_capacity_graphs_equal_their_replay(records, f"capacity graphs, {setup}, rank {rank}", span)

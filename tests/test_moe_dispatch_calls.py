@@ -24,6 +24,12 @@ import sys
 import pytest
 import torch
 
+from tests import harness
+from tests.graph_helpers import require
+from tests.multi_gpu_helpers import fresh_process_env
+
+require("te_graph.integrations.megatron.moe", "megatron-core's integration, whose MoE code uses Transformer Engine's")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
 HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
@@ -45,8 +51,6 @@ CALLS = [("train", SEQ, True), ("router sends fewer than top-k", SEQ, None), ("e
 
 @pytest.mark.parametrize("permute_fusion", [False, True], ids=["unfused-permute", "fused-permute"])
 def test_each_call_is_served_exactly_or_handed_to_megatron_core(permute_fusion):
-    from tests.multi_gpu_helpers import fresh_process_env  # noqa: PLC0415 (this file also runs as the script)
-
     done = subprocess.run([sys.executable, os.path.abspath(__file__), str(int(permute_fusion))], cwd=ROOT,
                           env=fresh_process_env(),
                           capture_output=True, text=True, timeout=600)
@@ -85,12 +89,6 @@ def _call(layer, x, grad, training: bool):
         if training:
             output.backward(grad)
     return output.detach(), x.grad
-
-
-def _same(a, b, what: str) -> None:
-    assert (a is None) == (b is None), what
-    if a is not None:
-        assert torch.equal(a, b), f"{what}: max difference {(a.float() - b.float()).abs().max().item():.3g}"
 
 
 def main(permute_fusion: bool) -> None:
@@ -132,11 +130,12 @@ def main(permute_fusion: bool) -> None:
             continue
         assert not errors, f"{name}: {errors}"
         want = "replayed" if served else "eager"
-        _same(results["graphed"][0], results[want][0], f"{name}: output vs {want}")
-        _same(results["graphed"][1], results[want][1], f"{name}: input grad vs {want}")
-        _same(results["graphed"][0], results["replayed"][0], f"{name}: output vs replayed")
+        harness.assert_same(results["graphed"][0], results[want][0], f"{name}: output vs {want}", reference=want)
+        harness.assert_same(results["graphed"][1], results[want][1], f"{name}: input grad vs {want}", reference=want)
+        harness.assert_same(results["graphed"][0], results["replayed"][0], f"{name}: output vs replayed", reference="replayed")
         for (pname, p), q, r in zip(graphed.named_parameters(), eager.parameters(), replayed.parameters()):
-            _same(p.grad, (r if served else q).grad, f"{name}: grad of {pname} vs {want}")
+            harness.assert_same(p.grad, (r if served else q).grad, f"{name}: grad of {pname} vs {want}",
+                                reference=want)
         handed = (graphs.eager_calls - before[0], replay.eager_calls - before[1])
         assert handed == ((0, 0) if served else (1, 1)), f"{name}: calls handed to megatron-core {handed}"
         difference = (results["graphed"][0].float() - results["eager"][0].float()).abs().max().item()

@@ -22,7 +22,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.graph_helpers import require
 from tests.multi_gpu_helpers import free_port
+
+require("te_graph.integrations.megatron.moe_dispatch", "megatron-core's integration, whose MoE code uses Transformer "
+        "Engine's")
 
 WORLD, EXPERTS, HIDDEN, TOKENS, TOPK = 2, 4, 3, 7, 2
 LOCAL = EXPERTS // WORLD

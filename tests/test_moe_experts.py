@@ -16,11 +16,14 @@ import torch
 from torch import nn
 
 import te_graph
+from tests.graph_helpers import ddp_pre_hook, require
 
-from te_graph.integrations.megatron.moe_dispatch import distinct_blocks
-from te_graph.integrations.megatron.moe import capacities_for, graph_dropless_experts
-from te_graph.integrations.megatron.moe_experts import skips_weight_update
-from te_graph.integrations.transformer_engine.modules import keeps_weight_cache
+require("te_graph.integrations.megatron.moe", "megatron-core's integration, whose MoE code uses Transformer Engine's")
+
+from te_graph.integrations.megatron.moe import capacities_for, graph_dropless_experts  # noqa: E402
+from te_graph.integrations.megatron.moe_dispatch import distinct_blocks  # noqa: E402
+from te_graph.integrations.megatron.moe_experts import skips_weight_update  # noqa: E402
+from te_graph.integrations.transformer_engine.modules import keeps_weight_cache  # noqa: E402
 
 H, E = 8, 4
 
@@ -277,15 +280,6 @@ def test_the_graphs_take_the_parameters_dtype_and_a_token_dtype_mismatch_is_name
         layer.experts(torch.randn(3, H), torch.tensor([1, 1, 1, 0]), torch.rand(3, dtype=torch.float64))
 
 
-def _make_forward_pre_hook(calls: list):
-    """megatron-core DDP's ``_make_forward_pre_hook`` (``overlap_param_gather``): one closure
-    per call, one code; each call records the module (it would wait for its parameters'
-    all-gather)."""
-    def hook(module, *unused):
-        calls.append(module)
-    return hook
-
-
 class TransformerLayerLike(nn.Module):
     """A megatron-core layer holding the MoE layer as its MLP, with the helper's manual
     hooks (``cuda_graph_set_manual_hooks``) for a submodule of its own graphed part."""
@@ -293,7 +287,7 @@ class TransformerLayerLike(nn.Module):
     def __init__(self, calls: list):
         super().__init__()
         self.mlp = Layer()
-        self.cuda_graph_manual_hooks = [(_make_forward_pre_hook(calls), (self.mlp,))]
+        self.cuda_graph_manual_hooks = [(ddp_pre_hook(calls), (self.mlp,))]
 
 
 def test_ddp_pre_hooks_on_the_experts_run_before_each_replay_and_other_hooks_are_refused():
@@ -306,7 +300,7 @@ def test_ddp_pre_hooks_on_the_experts_run_before_each_replay_and_other_hooks_are
     owner = TransformerLayerLike(calls)
     installed = graph_dropless_experts(owner, [8], probs_dtype=torch.float64, eager_replay=True)
     experts = owner.mlp.experts
-    handles = [m.register_forward_pre_hook(_make_forward_pre_hook(calls)) for m in owner.modules()]
+    handles = [m.register_forward_pre_hook(ddp_pre_hook(calls)) for m in owner.modules()]
     _call(experts, [1, 2, 3, 0], 0)
     assert installed[0].calls == {8: 1}
     assert calls[0] is experts  # its own, around its call (megatron-core calls the experts module)
@@ -317,7 +311,7 @@ def test_ddp_pre_hooks_on_the_experts_run_before_each_replay_and_other_hooks_are
         _call(experts, [1, 2, 3, 0], 1)
     for handle in handles:
         handle.remove()
-    owner.cuda_graph_manual_hooks = [(_make_forward_pre_hook(calls), (owner.mlp,))]
+    owner.cuda_graph_manual_hooks = [(ddp_pre_hook(calls), (owner.mlp,))]
     experts.fc[1].register_forward_pre_hook(lambda *_: None)  # the user's
     with pytest.raises(RuntimeError, match=re.escape("forward pre hooks on submodule 'experts.fc.1' changed (0 -> 1)")):
         _call(experts, [1, 2, 3, 0], 2)

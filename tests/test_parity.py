@@ -1,10 +1,10 @@
-"""Graphs on = graphs off: one differential harness over a matrix of training setups.
+"""Graphs on = graphs off over a matrix of training setups (rows of tests/harness.py).
 
-Each setup trains a few SGD steps of accumulated microbatches three ways: eagerly, through
-te_graph's eager replay (CPU and GPU) and through CUDA graphs (GPU), from the same seeds,
-and every observable is compared bitwise (``torch.equal``) with the eager run: outputs,
-input grads, parameter grads at every step, weights after the optimizer steps, module
-buffers, what parameter hooks saw and how often they ran, Megatron-style ``main_grad``s.
+Each setup trains a few SGD steps of accumulated microbatches in the harness's modes: eagerly,
+through te_graph's eager replay (CPU and GPU) and through CUDA graphs (GPU), from the same
+seeds, and its ``Trace`` is compared bitwise with the eager run's: outputs, input grads,
+parameter grads at every step, weights after the optimizer steps, module buffers, what
+parameter hooks saw and how often they ran, Megatron-style ``main_grad``s.
 
 Adding a setup is one line in ``SETUPS``. Multi-rank setups (DDP, tensor and pipeline
 parallel) run the same comparison in tests/test_multi_gpu.py.
@@ -12,7 +12,7 @@ parallel) run the same comparison in tests/test_multi_gpu.py.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -22,7 +22,9 @@ import rng
 from checkpointing import checkpoint
 from examples.gpt import GPTBlock
 from te_graph import Samples, make_graphed_callables
+from tests import harness
 from tests.graph_helpers import DuckTracker, Stack, weighted_loss
+from tests.harness import EAGER, GRAPHED, Trace
 
 HIDDEN, HEADS, SEQ, BATCH = 32, 4, 16, 2
 
@@ -107,7 +109,7 @@ class CacheBlock(nn.Module):
 
 # -- the setups ---------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class Setup:
+class Setup(harness.Row):
     """One training setup; every field has the plain default."""
 
     id: str
@@ -132,8 +134,8 @@ class Setup:
     # "buffer-overlap" (another address, overlapping the sample)
     gpu_only: bool = False
 
-    def __str__(self) -> str:
-        return self.id
+    def runs_on(self, device: str) -> bool:
+        return super().runs_on(device) and (device == "cuda" or self.dtype != torch.bfloat16)
 
 
 SETUPS = [
@@ -182,22 +184,6 @@ SETUPS = [
 
 
 # -- one run ------------------------------------------------------------------------------------
-@dataclass
-class Trace:
-    """Everything a run lets a user observe."""
-
-    outputs: list = field(default_factory=list)
-    input_grads: list = field(default_factory=list)
-    param_grads: list = field(default_factory=list)  # per step, after its microbatches
-    weights: list = field(default_factory=list)
-    buffers: list = field(default_factory=list)
-    hook_grads: dict = field(default_factory=dict)  # per parameter, what its hooks saw, in order
-    hook_calls: dict = field(default_factory=dict)  # hook kind -> number of calls
-    main_grads: list = field(default_factory=list)
-    activation_grads: list = field(default_factory=list)  # what a hook on an activation saw
-    updated_inputs: list = field(default_factory=list)  # inputs the layers update in place
-
-
 def _tracker(setup: Setup, device: str):
     if setup.tracker == "ours":
         return rng.get_cuda_rng_tracker()
@@ -269,12 +255,12 @@ def _first_input(setup: Setup, buffer, data, seq: int, device: str):
     return buffer[seq // 2: seq // 2 + seq]  # "buffer-overlap"
 
 
-def _graph(setup: Setup, layers: list, device: str, eager_replay: bool, buffer=None) -> list:
+def _graph(setup: Setup, layers: list, device: str, mode: str, buffer=None) -> list:
     first, *rest = setup.seq_lengths
     more = [Samples(_samples(setup, layers, device, s)) for s in rest]
     graphed = make_graphed_callables(
         tuple(layers), _samples(setup, layers, device, first, buffer), more_shapes=more,
-        eager_replay=eager_replay, get_rng_state_tracker=lambda: _tracker(setup, device),
+        eager_replay=harness.eager_replay(mode), get_rng_state_tracker=lambda: _tracker(setup, device),
         **dict(setup.options),
     )
     return list(graphed)
@@ -341,7 +327,7 @@ def _run_layers(flow: str, layers: list, x: torch.Tensor, seen: list) -> torch.T
 
 
 def train(setup: Setup, mode: str, device: str, steps: int = 3, micro: int = 2) -> Trace:
-    """Train ``setup`` in ``mode`` ("eager", "eager_replay" or "graphs"); return its trace."""
+    """Train ``setup`` in one of the harness's modes; return its trace."""
     trace = Trace()
     layers = _build(setup, device)
     params = [p for layer in layers for p in layer.parameters()]
@@ -353,8 +339,8 @@ def train(setup: Setup, mode: str, device: str, steps: int = 3, micro: int = 2) 
     if setup.input_from != "fresh":  # the buffer the first sample lies in, and the inputs too
         seq = setup.seq_lengths[0]
         buffer = torch.randn(2 * seq, BATCH, HIDDEN, generator=torch.Generator().manual_seed(3)).to(device, setup.dtype)
-    if mode != "eager":
-        layers = _graph(setup, layers, device, eager_replay=mode == "eager_replay", buffer=buffer)
+    if mode != EAGER:
+        layers = _graph(setup, layers, device, mode, buffer=buffer)
     caches = []
     if setup.layer == "cache":  # each layer's running state, updated in place by its calls
         caches = [torch.zeros(BATCH, HIDDEN, device=device, dtype=setup.dtype) for _ in layers]
@@ -381,55 +367,23 @@ def train(setup: Setup, mode: str, device: str, steps: int = 3, micro: int = 2) 
             y = _run_layers(setup.flow, layers, first, seen)
             weighted_loss(y).backward()
             trace.activation_grads += [g.clone() for g in seen]  # cloned after the backward
-            trace.outputs.append(y.detach().clone())
-            if setup.input_grad:
-                trace.input_grads.append(x.grad.clone())
-        trace.param_grads.append([None if p.grad is None else p.grad.clone() for p in params])
+            trace.microbatch(y, x if setup.input_grad else None)
+        trace.step(params)
         opt.step()
-    trace.weights = [p.detach().clone() for p in params]
-    trace.buffers = [b.clone() for module in modules for b in module.buffers()]
+    trace.end(params, modules)
     trace.updated_inputs = [c.clone() for c in caches]
-    trace.main_grads = [p.main_grad.clone() for p in params if hasattr(p, "main_grad")]
     del keep
     return trace
 
 
-def assert_same(got: Trace, want: Trace, what: str) -> None:
-    assert got.hook_grads.keys() == want.hook_grads.keys()
-    for key in want.hook_grads:
-        assert len(got.hook_grads[key]) == len(want.hook_grads[key]), f"{what}: hooks {key} ran another number of times"
-        for i, (x, y) in enumerate(zip(got.hook_grads[key], want.hook_grads[key])):
-            assert torch.equal(x, y), f"{what}: hook {key} call {i} saw another gradient"
-    for name in ("outputs", "input_grads", "weights", "buffers", "main_grads", "activation_grads", "updated_inputs"):
-        a, b = getattr(got, name), getattr(want, name)
-        assert len(a) == len(b), f"{what}: {name}: {len(a)} entries, eager has {len(b)}"
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert torch.equal(x, y), f"{what}: {name}[{i}] differs (max {(x.float() - y.float()).abs().max().item():.3g})"
-    for step, (a, b) in enumerate(zip(got.param_grads, want.param_grads)):
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert (x is None) == (y is None), f"{what}: step {step} param {i}: grad None in one run only"
-            assert x is None or torch.equal(x, y), f"{what}: step {step} param {i} grad differs"
-    assert got.hook_calls == want.hook_calls, f"{what}: hook calls {got.hook_calls}, eager {want.hook_calls}"
-
-
-def _cases(device: str):
-    for setup in SETUPS:
-        marks = [pytest.mark.gpu] if device == "cuda" else []
-        if device == "cpu" and (setup.gpu_only or setup.dtype == torch.bfloat16):
-            continue
-        yield pytest.param(setup, id=setup.id, marks=marks)
-
-
-@pytest.mark.parametrize("setup", list(_cases("cpu")))
+@pytest.mark.parametrize("setup", harness.params(SETUPS, "cpu"))
 def test_eager_replay_equals_eager_cpu(setup):
-    assert_same(train(setup, "eager_replay", "cpu"), train(setup, "eager", "cpu"), "eager replay")
+    harness.differential(lambda mode: train(setup, mode, "cpu"), GRAPHED["cpu"], setup.id)
 
 
-@pytest.mark.parametrize("setup", list(_cases("cuda")))
+@pytest.mark.parametrize("setup", harness.params(SETUPS, "cuda"))
 def test_graphs_and_eager_replay_equal_eager_gpu(setup):
-    want = train(setup, "eager", "cuda")
-    assert_same(train(setup, "graphs", "cuda"), want, "graphs")
-    assert_same(train(setup, "eager_replay", "cuda"), want, "eager replay")
+    harness.differential(lambda mode: train(setup, mode, "cuda"), GRAPHED["cuda"], setup.id)
 
 
 def test_every_setup_differs_from_plain():

@@ -1,14 +1,18 @@
 """Pipeline-parallel capture: one graph per (layer, microbatch) following ``order``,
 bitwise equal to eager runs of the same schedule (dropout 0.1), with and without buffer
-reuse and recompute; exact dropout masks per (layer, microbatch)."""
+reuse and recompute (rows of tests/harness.py); exact dropout masks per (layer, microbatch)."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import pytest
 import torch
 
 import rng
 from te_graph import make_graphed_callables
-from tests.graph_helpers import assert_all_equal, clone_modules, make_blocks
+from tests import harness
+from tests.graph_helpers import make_blocks
+from tests.harness import EAGER, EAGER_REPLAY, GRAPHS, Trace
 from tests.test_recompute_rng import MaskLayer
 
 INTERLEAVED = [1, 2, 1, 2, -2, -1, 1, 2, -2, -1, -2, -1]  # 2 chunks, 3 microbatches
@@ -71,14 +75,16 @@ def run_schedule(order, layers_per_chunk, call, inputs, grad_seed=0, independent
     return results
 
 
-def _train(order, layers_per_chunk, modules, callables, steps=2, seed=5):
+def _train(order, layers_per_chunk, modules, callables, steps=2, seed=5) -> Trace:
+    """SGD steps of one schedule iteration each: every (chunk, microbatch)'s output and input
+    grad per step, the weights after the steps."""
     chunks, microbatches, _ = _layout(order, layers_per_chunk)
     rng.model_parallel_cuda_manual_seed(77)  # the graphed and eager runs draw the same streams
     params = [p for m in modules for p in m.parameters()]
     opt = torch.optim.SGD(params, lr=0.1)
     g = torch.Generator(device="cpu").manual_seed(seed)
     device = params[0].device
-    history = []
+    trace = Trace()
     for step in range(steps):
         opt.zero_grad(set_to_none=False)
         inputs = [torch.randn(SHAPE, generator=g).to(device) for _ in range(microbatches)]
@@ -88,51 +94,58 @@ def _train(order, layers_per_chunk, modules, callables, steps=2, seed=5):
             return out[0] if isinstance(out, tuple) else out
 
         results = run_schedule(order, layers_per_chunk, call, inputs, grad_seed=step)
-        history.append(results)
+        trace.outputs.append({key: output for key, (output, _) in results.items()})
+        trace.input_grads.append({key: grad for key, (_, grad) in results.items()})
         opt.step()
-    return history, [p.detach().clone() for p in params]
+    trace.weights = [p.detach().clone() for p in params]
+    return trace
 
 
-def _compare(order, layers_per_chunk, device, reuse=False, recompute=False, eager_replay=False):
+@dataclass(frozen=True)
+class Schedule(harness.Row):
+    """A pipeline schedule of two layers per chunk, through GPTBlocks (dropout 0.1)."""
+
+    id: str
+    order: tuple
+    reuse: bool = False  # reuse_graph_input_output_buffers
+    recompute: bool = False
+
+
+ORDERS = {"interleaved": tuple(INTERLEAVED), "1f1b": tuple(ONE_F_ONE_B)}
+SCHEDULES = [Schedule(f"{name}-{'reuse' if reuse else 'private'}-{'recompute' if recompute else 'plain'}", order,
+                      reuse, recompute)
+             for name, order in ORDERS.items() for reuse in (False, True) for recompute in (False, True)]
+SCHEDULES_CPU = [Schedule(name, order, recompute=True) for name, order in ORDERS.items()]
+
+
+def train(schedule: Schedule, mode: str, device: str, layers_per_chunk: int = 2) -> Trace:
+    """``schedule`` in one of the harness's modes."""
+    order = list(schedule.order)
     chunks, microbatches, _ = _layout(order, layers_per_chunk)
-    blocks = make_blocks(n=chunks * layers_per_chunk, device=device, recompute=recompute, dropout=0.1)
-    reference = clone_modules(blocks)
+    blocks = make_blocks(n=chunks * layers_per_chunk, device=device, recompute=schedule.recompute, dropout=0.1)
+    if mode == EAGER:
+        return _train(order, layers_per_chunk, blocks, lambda chunk, mb, layer: blocks[chunk * layers_per_chunk + layer])
     sample = tuple(
         (torch.randn(SHAPE, device=device, requires_grad=True),)
         for _ in range(chunks * microbatches * layers_per_chunk)
     )
     graphed = make_graphed_callables(
         tuple(blocks), sample, order=order, num_layers_per_chunk=layers_per_chunk,
-        reuse_graph_input_output_buffers=reuse, eager_replay=eager_replay,
+        reuse_graph_input_output_buffers=schedule.reuse, eager_replay=harness.eager_replay(mode),
     )
     assert len(graphed) == len(sample)
-
-    def graphed_call(chunk, mb, layer):
-        return graphed[_flat(chunk, mb, layer, microbatches, layers_per_chunk)]
-
-    def eager_call(chunk, mb, layer):
-        return reference[chunk * layers_per_chunk + layer]
-
-    got, weights = _train(order, layers_per_chunk, blocks, graphed_call)
-    want, weights_ref = _train(order, layers_per_chunk, reference, eager_call)
-    for step, (a, b) in enumerate(zip(got, want)):
-        for key in b:
-            assert torch.equal(a[key][0], b[key][0]), f"step {step}, (chunk, mb) {key}: output"
-            assert torch.equal(a[key][1], b[key][1]), f"step {step}, (chunk, mb) {key}: input grad"
-    assert_all_equal(weights, weights_ref, "weight after optimizer steps")
+    return _train(order, layers_per_chunk, blocks,
+                  lambda chunk, mb, layer: graphed[_flat(chunk, mb, layer, microbatches, layers_per_chunk)])
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("recompute", [False, True], ids=["plain", "recompute"])
-@pytest.mark.parametrize("reuse", [False, True], ids=["private", "reuse"])
-@pytest.mark.parametrize("order", [INTERLEAVED, ONE_F_ONE_B], ids=["interleaved", "1f1b"])
-def test_schedule_bitwise_equal_to_eager(order, reuse, recompute):
-    _compare(order, 2, "cuda", reuse=reuse, recompute=recompute)
+@pytest.mark.parametrize("schedule", harness.params(SCHEDULES, "cuda"))
+def test_schedule_bitwise_equal_to_eager(schedule):
+    harness.differential(lambda mode: train(schedule, mode, "cuda"), [GRAPHS], schedule.id)
 
 
-@pytest.mark.parametrize("order", [INTERLEAVED, ONE_F_ONE_B], ids=["interleaved", "1f1b"])
-def test_schedule_eager_replay_cpu(order):
-    _compare(order, 2, "cpu", recompute=True, eager_replay=True)
+@pytest.mark.parametrize("schedule", harness.params(SCHEDULES_CPU, "cpu"))
+def test_schedule_eager_replay_cpu(schedule):
+    harness.differential(lambda mode: train(schedule, mode, "cpu"), [EAGER_REPLAY], schedule.id)
 
 
 def test_reuse_needs_an_order():

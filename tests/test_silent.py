@@ -51,10 +51,13 @@ import torch
 import rng
 import te_graph
 from te_graph import make_graphed_callables
+from tests import harness
 from tests.graph_helpers import weighted_loss
+from tests.harness import EAGER, EAGER_REPLAY, GRAPHS
 from tests.silent_cases import CASES, Case
 
-MODES = {"cpu": ("eager_replay",), "cuda": ("eager_replay", "graphs")}
+MODES = {"cpu": (EAGER_REPLAY,), "cuda": (EAGER_REPLAY, GRAPHS)}
+MODE_IDS = {EAGER_REPLAY: "eager_replay", GRAPHS: "graphs"}
 OUTCOMES = ("equal", "refused", "documented", "silent", "crash")
 CLEAR = re.compile(r"(make_graphed_callables|te_graph|callable \d+ \()")
 
@@ -103,7 +106,7 @@ class State:
 
     def __init__(self, case: Case, mode: str, device: str):
         self.case, self.mode, self.device = case, mode, device
-        self.graphing = mode != "eager"
+        self.graphing = mode != EAGER
         self.data = torch.Generator().manual_seed(7)  # inputs: the same in every run
         self.sample_gen = torch.Generator().manual_seed(5)  # samples: no draw from the live streams
         self.observed: list = []
@@ -136,7 +139,7 @@ class State:
     def make_graphed(self, modules, samples, **kwargs):
         self.mark("make_graphed_callables")
         graphed = make_graphed_callables(tuple(modules), tuple(samples),
-                                         eager_replay=self.mode == "eager_replay", **kwargs)
+                                         eager_replay=harness.eager_replay(self.mode), **kwargs)
         self.graphed.append(graphed)
         return [Tracked(self, f) for f in graphed]
 
@@ -192,56 +195,22 @@ class State:
         self.observed.append((f"{where} {name}", value))
 
     def mark(self, where: str) -> None:
-        """The state a refusal must leave untouched: taken before each graphing, call,
-        backward and optimizer step."""
-        self.where, self.before = where, snapshot(self, forwards=where == "make_graphed_callables")
-
-
-def snapshot(st: State, forwards: bool) -> dict:
-    snap = {}
-    for name, p in st.model.named_parameters(remove_duplicate=False):
-        snap[f"parameter {name}"] = (id(p) if forwards else 0, p.detach().clone())
-        snap[f"grad of {name}"] = None if p.grad is None else p.grad.clone()
-    for name, b in st.model.named_buffers(remove_duplicate=False):
-        snap[f"buffer {name}"] = b.clone()
-    if forwards:
-        modules = list(st.model.named_modules(remove_duplicate=False))
-        modules += [(f"layer {i}", m) for i, m in enumerate(st.layers) if isinstance(m, torch.nn.Module)]
-        for name, m in modules:
-            snap[f"forward of {name or 'model'}"] = tuple(id(m.__dict__.get(k)) for k in ("forward", "backward_dw", "reset"))
-    return snap
-
-
-def same(a, b) -> bool:
-    if isinstance(a, tuple) and isinstance(b, tuple):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
-            return False
-        if a.dtype != b.dtype or a.shape != b.shape or a.device != b.device:
-            return False
-        if torch.equal(a, b):
-            return True
-        return a.is_floating_point() and bool(((a == b) | (a.isnan() & b.isnan())).all())
-    return a == b
-
-
-def describe(name: str, got, want) -> str:
-    if isinstance(got, torch.Tensor) and isinstance(want, torch.Tensor) and got.shape == want.shape and got.dtype == want.dtype:
-        diff = (got.double() - want.double()).abs().nan_to_num(float("inf")).max().item()
-        nans = int(got.isnan().sum()), int(want.isnan().sum())
-        return f"{name} differs (max abs diff {diff:.3g}" + (f", NaNs {nans[0]}, eager {nans[1]})" if any(nans) else ")")
-    show = lambda v: f"tensor{tuple(v.shape)} {v.dtype}" if isinstance(v, torch.Tensor) else repr(v)  # noqa: E731
-    return f"{name}: {show(got)}, eager {show(want)}"
+        """The state a refusal must leave untouched (the harness's ``Snapshot`` of every module
+        the case holds, and the random streams): taken before each graphing, call, backward
+        and optimizer step."""
+        modules = [self.model] + [m for m in self.layers if isinstance(m, torch.nn.Module)]
+        self.where, self.before = where, harness.Snapshot(*modules)
 
 
 def compare(got: list, want: list):
-    """None if the observations are equal, else what differs first."""
+    """None if the observations are equal (the harness's ``difference``, NaN equal to NaN),
+    else what differs first."""
     for (name, g), (wname, w) in zip(got, want):
         if name != wname:
             return f"observed {name!r} where eager observed {wname!r}"
-        if not same(g, w):
-            return describe(name, g, w)
+        diff = harness.difference(g, w, name, nan_equal=True)
+        if diff:
+            return diff
     if len(got) != len(want):
         return f"{len(got)} observations, eager has {len(want)}"
     return None
@@ -254,11 +223,9 @@ def _error(e: BaseException, st: State) -> Outcome:
         return Outcome("crash", text)
     if "this output was overwritten by a later call" in message:
         return Outcome("refused", text)  # raised by the read of the stale value itself, wherever it comes
-    now = snapshot(st, forwards=st.where == "make_graphed_callables")
-    changed = [k for k in st.before.keys() | now.keys()
-               if k not in st.before or k not in now or not same(st.before[k], now[k])]
+    changed = st.before.changes()
     if changed:
-        return Outcome("crash", f"{text} [but it changed {', '.join(sorted(changed)[:3])}]")
+        return Outcome("crash", f"{text} [but it changed {'; '.join(changed[:3])}]")
     return Outcome("refused", text)
 
 
@@ -280,7 +247,7 @@ def run(case: Case, mode: str, device: str) -> Run:
             _seed(77)  # every run draws the same random numbers from here
             case.train(st)
         except Exception as e:  # noqa: BLE001 - classified
-            if mode == "eager":
+            if mode == EAGER:
                 if case.eager_refuses and case.eager_refuses in str(e):
                     return Run(st.observed, Outcome("refused", f"at {st.where}: {type(e).__name__}"))
                 raise CaseError(f"case {case.id}: the eager reference failed: {type(e).__name__}: {e}") from e
@@ -296,7 +263,7 @@ def run(case: Case, mode: str, device: str) -> Run:
 
 @functools.lru_cache(maxsize=None)
 def eager_run(case_id: str, device: str) -> Run:
-    return run(BY_ID[case_id], "eager", device)
+    return run(BY_ID[case_id], EAGER, device)
 
 
 def reference(case_id: str, device: str) -> list:
@@ -340,7 +307,7 @@ def _rounding_only(got: list, want: list) -> bool:
             # another layout; NaN or a wrong value is far beyond it.
             if not torch.allclose(g.double(), w.double(), rtol=0, atol=1e-3 * scale + 1e-6):
                 return False
-        elif not same(g, w):
+        elif harness.difference(g, w, nan_equal=True):
             return False
     return len(got) == len(want)
 
@@ -365,22 +332,20 @@ def test_documented_differences_are_in_the_guarantee():
             assert case.documented in text, f"{case.id}: docs/capture-and-replay.md does not state {case.documented!r}"
 
 
-@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("case", harness.params(CASES, "cpu"))
 def test_eager_replay_cpu(case):
-    _check(case, "eager_replay", "cpu")
+    _check(case, EAGER_REPLAY, "cpu")
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("mode", MODES["cuda"])
-@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("mode", MODES["cuda"], ids=MODE_IDS.get)
+@pytest.mark.parametrize("case", harness.params(CASES, "cuda"))
 def test_cuda(case, mode):
     _check(case, mode, "cuda")
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("case", harness.params(CASES, "cuda"))
 def test_graphs_and_eager_replay_agree(case):
-    graphs, replay = outcome(case, "graphs", "cuda"), outcome(case, "eager_replay", "cuda")
+    graphs, replay = outcome(case, GRAPHS, "cuda"), outcome(case, EAGER_REPLAY, "cuda")
     assert graphs.kind == replay.kind, (
         f"case {case.id} ({case.doc}) on cuda: graphs {graphs}, but eager replay {replay}")
 
@@ -396,7 +361,7 @@ def test_cases_are_well_formed():
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_eager_reference_is_deterministic(case):
     """Two eager runs of a case are equal, so any difference the harness reports is te_graph's."""
-    assert compare(run(case, "eager", "cpu").observed, reference(case.id, "cpu")) is None, case.id
+    assert compare(run(case, EAGER, "cpu").observed, reference(case.id, "cpu")) is None, case.id
 
 
 def test_harness_tells_outcomes_apart():
@@ -404,7 +369,7 @@ def test_harness_tells_outcomes_apart():
     assert compare(list(want), want) is None
     assert "differs" in compare([("w", torch.tensor([1.0, 2.0])), ("g", None)], want)
     assert "eager None" in compare([want[0], ("g", torch.zeros(1))], want)
-    st = State(CASES[0], "eager_replay", "cpu")
+    st = State(CASES[0], EAGER_REPLAY, "cpu")
     st.set([torch.nn.Linear(2, 2)])
     st.mark("a call")
     assert _error(RuntimeError("callable 0 (Linear): no"), st).kind == "refused"
@@ -422,7 +387,7 @@ def table(device: str | None = None) -> dict:
     modes = MODES[device]
     warnings.simplefilter("ignore")  # the table only
     counts = {mode: collections.Counter() for mode in modes}
-    print(f"{'case':28} {'class':15}" + "".join(f" {mode + '[' + device + ']':20}" for mode in modes) + " reason")
+    print(f"{'case':28} {'class':15}" + "".join(f" {MODE_IDS[mode] + '[' + device + ']':20}" for mode in modes) + " reason")
     for case in CASES:
         results = {mode: outcome(case, mode, device) for mode in modes}
         for mode, result in results.items():
@@ -431,7 +396,7 @@ def table(device: str | None = None) -> dict:
                             for mode, r in results.items() if r.kind != "equal")
         print(f"{case.id:28} {case.cls:15}" + "".join(f" {r.kind:20}" for r in results.values()) + f" {reasons[:220]}")
     for mode in modes:
-        print(f"{mode}[{device}]: " + ", ".join(f"{kind} {counts[mode][kind]}" for kind in OUTCOMES))
+        print(f"{MODE_IDS[mode]}[{device}]: " + ", ".join(f"{kind} {counts[mode][kind]}" for kind in OUTCOMES))
     return counts
 
 

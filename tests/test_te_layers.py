@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import pytest
@@ -26,9 +26,11 @@ import checkpointing
 from te_graph import make_graphed_callables
 
 from _pipeline import interleaved_1f1b_order, run_order, with_wgrad_passes
-from tests.test_parity import Trace as ParityTrace
-from tests.test_parity import assert_same as assert_parity
-from tests.graph_helpers import assert_all_equal, weighted_loss
+from tests import harness
+from tests.graph_helpers import require, weighted_loss
+from tests.harness import EAGER, GRAPHED, GRAPHS, Trace
+
+require("te_graph.integrations.transformer_engine", "Transformer Engine's integration")
 
 HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
 pytestmark = [
@@ -148,7 +150,7 @@ def build(kind: str, dtype: torch.dtype, dropout: float) -> nn.Module:
 
 # -- the setups ------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class TESetup:
+class TESetup(harness.Row):
     id: str
     module: str = "transformer"
     recipe: Optional[str] = None  # None: bf16; "delayed", "current", "block"
@@ -167,9 +169,6 @@ class TESetup:
     # on (after the graphs): TE's global amax buffers change after the first reductions
     recipe_per_autocast: bool = False  # a new, equal recipe object for every autocast, as
     # megatron-core's get_fp8_context makes one for every forward
-
-    def __str__(self) -> str:
-        return self.id
 
 
 SETUPS = [
@@ -256,13 +255,6 @@ SETUPS = [
 ]
 
 
-@dataclass
-class Trace(ParityTrace):
-    """tests/test_parity.py's trace, and the FP8 meta of every module after the steps."""
-
-    fp8_meta: list = field(default_factory=list)
-
-
 def fp8_meta(modules) -> list:
     """Every TE module's amax history and scales (DelayedScaling keeps them)."""
     tensors = []
@@ -322,7 +314,7 @@ def train(setup: TESetup, mode: str, steps: int = 3, micro: int = 2) -> Trace:
                 (h.float() * weight).sum().backward()
                 trace.input_grads.append(x.grad.clone())
         if not setup.eval:
-            trace.param_grads.append([None if p.grad is None else p.grad.clone() for p in params])
+            trace.step(params)
             if opt is not None:
                 opt.step()
 
@@ -330,7 +322,7 @@ def train(setup: TESetup, mode: str, steps: int = 3, micro: int = 2) -> Trace:
     for _ in range(setup.eager_steps_first):
         step(modules, [])
     layers = modules
-    if mode != "eager":
+    if mode != EAGER:
         g = torch.Generator(device="cuda").manual_seed(3)
         samples = tuple(
             (torch.randn(S, B, H, device="cuda", dtype=dtype, generator=g).requires_grad_(not setup.eval),)
@@ -340,7 +332,7 @@ def train(setup: TESetup, mode: str, steps: int = 3, micro: int = 2) -> Trace:
             layers = make_graphed_callables(
                 tuple(modules), samples, enabled=recipe is not None, recipe=recipe,
                 cache_quantized_params=setup.caching, get_rng_state_tracker=tracker,
-                eager_replay=mode == "eager_replay",
+                eager_replay=harness.eager_replay(mode),
             )
     reseed(77)
     for i in range(steps):
@@ -348,13 +340,6 @@ def train(setup: TESetup, mode: str, steps: int = 3, micro: int = 2) -> Trace:
     trace.weights = [p.detach().clone() for p in params]
     trace.fp8_meta = fp8_meta(modules + late)
     return trace
-
-
-def assert_same(got: Trace, want: Trace, what: str) -> None:
-    assert_parity(got, want, what)
-    assert len(got.fp8_meta) == len(want.fp8_meta), f"{what}: fp8_meta: {len(got.fp8_meta)} entries, eager has {len(want.fp8_meta)}"
-    for i, (x, y) in enumerate(zip(got.fp8_meta, want.fp8_meta)):
-        assert torch.equal(x, y), f"{what}: fp8_meta[{i}] differs (max {(x.float() - y.float()).abs().max().item():.3g})"
 
 
 def _skip_unsupported(setup: TESetup) -> None:
@@ -368,18 +353,10 @@ def _skip_unsupported(setup: TESetup) -> None:
         pytest.skip(f"{setup.recipe} scaling does not run here: {error}")
 
 
-def assert_graphs_and_eager_replay_equal_eager(run) -> None:
-    """The differential check: ``run(mode)`` through graphs and through eager replay, each
-    bitwise against ``run("eager")``."""
-    want = run("eager")
-    assert_same(run("graphs"), want, "graphs")
-    assert_same(run("eager_replay"), want, "eager replay")
-
-
 @pytest.mark.parametrize("setup", SETUPS, ids=str)
 def test_te_graphs_and_eager_replay_equal_eager_te(setup):
     _skip_unsupported(setup)
-    assert_graphs_and_eager_replay_equal_eager(lambda mode: train(setup, mode))
+    harness.differential(lambda mode: train(setup, mode), GRAPHED["cuda"], setup.id)
 
 
 def test_the_backward_amax_reduction_replays_as_one_graph(monkeypatch):
@@ -394,30 +371,30 @@ def test_the_backward_amax_reduction_replays_as_one_graph(monkeypatch):
     setup = TESetup("transformer-fp8-delayed-eager-layer-joins-later", recipe="delayed", late_eager_layer=True,
                     recipe_per_autocast=True)
     _skip_unsupported(setup)
-    want = train(setup, "eager")
+    want = train(setup, EAGER)
     reduction = RESOURCES.backward_amax_reduction()
     captures, replays = reduction.captures, reduction.replays
-    assert_same(train(setup, "graphs"), want, "graphs")
+    harness.assert_same(train(setup, GRAPHS), want, "graphs")
     # 3 steps of 2 microbatches, each its own autocast; captured at the first step and again
     # when the eager layer registers its amaxes at the second.
     assert (reduction.captures - captures, reduction.replays - replays) == (2, 6)
     monkeypatch.setenv("NVTE_UNFUSED_FP8_UPDATE", "1")
-    want = train(setup, "eager")
+    want = train(setup, EAGER)
     captures, replays = reduction.captures, reduction.replays
-    assert_same(train(setup, "graphs"), want, "graphs, unfused update")
+    harness.assert_same(train(setup, GRAPHS), want, "graphs, unfused update")
     assert (reduction.captures, reduction.replays) == (captures, replays)
 
 
 # -- refused before anything changes ---------------------------------------------------------
-@pytest.mark.parametrize("eager_replay", [False, True], ids=["graphs", "eager-replay"])
-def test_fp8_calls_that_would_part_from_eager_te_are_refused(eager_replay):
+@pytest.mark.parametrize("mode", GRAPHED["cuda"])
+def test_fp8_calls_that_would_part_from_eager_te_are_refused(mode):
     from transformer_engine.common import recipe as te_recipe
 
     reseed(5)
     layer = te().Linear(H, H, params_dtype=torch.bfloat16).cuda()
     x = torch.randn(S, B, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     captured = te_recipe.DelayedScaling()
-    graphed = make_graphed_callables(layer, (x,), enabled=True, recipe=captured, eager_replay=eager_replay)
+    graphed = make_graphed_callables(layer, (x,), enabled=True, recipe=captured, eager_replay=harness.eager_replay(mode))
     with pytest.raises(RuntimeError, match=re.escape("graphed with FP8 but called outside te.autocast(enabled=True, recipe=...)")):
         graphed(x)
     with pytest.raises(RuntimeError, match=re.escape("but its graphs were captured with")):
@@ -425,12 +402,12 @@ def test_fp8_calls_that_would_part_from_eager_te_are_refused(eager_replay):
             graphed(x)
     cached = te().Linear(H, H, params_dtype=torch.bfloat16).cuda()
     graphed = make_graphed_callables(cached, (x,), enabled=True, recipe=captured, cache_quantized_params=True,
-                                     eager_replay=eager_replay)
+                                     eager_replay=harness.eager_replay(mode))
     with pytest.raises(ValueError, match=re.escape("graphed with cache_quantized_params=True, so each call needs the is_first_microbatch=True/False keyword")):
         with te().autocast(enabled=True, recipe=captured):
             graphed(x)
     plain = te().Linear(H, H, params_dtype=torch.bfloat16).cuda()
-    graphed = make_graphed_callables(plain, (x,), eager_replay=eager_replay)
+    graphed = make_graphed_callables(plain, (x,), eager_replay=harness.eager_replay(mode))
     with pytest.raises(RuntimeError, match=re.escape("called inside an FP8 te.autocast, but it was graphed without FP8")):
         with te().autocast(enabled=True, recipe=captured):
             graphed(x)
@@ -445,14 +422,12 @@ def test_a_recipe_this_gpu_cannot_run_is_refused_before_anything_changes():
         check_recipe_support(mx)
         pytest.skip("this GPU runs MXFP8 (Blackwell): nothing to refuse")
     except Exception as error:  # noqa: BLE001
-        expected = str(error)
+        expected, kind = str(error), type(error)
     reseed(5)
     layer = te().Linear(H, H, params_dtype=torch.bfloat16).cuda()
-    forward = layer.forward
-    with pytest.raises(Exception, match=re.escape(expected[:60])):
+    with harness.refused(kind, re.escape(expected[:60]), layer):  # TE's own error, raised by te_graph's check
         make_graphed_callables(layer, (torch.randn(S, B, H, device="cuda", dtype=torch.bfloat16, requires_grad=True),),
                                enabled=True, recipe=mx)
-    assert layer.forward == forward and all(p.grad is None for p in layer.parameters())
 
 
 def test_capture_time_hooks_are_called_with_the_module_alone():
@@ -468,8 +443,8 @@ def test_capture_time_hooks_are_called_with_the_module_alone():
 
 
 @pytest.mark.parametrize("kind", ["ours", "te"])
-@pytest.mark.parametrize("eager_replay", [False, True], ids=["graphs", "eager-replay"])
-def test_a_checkpoint_inside_a_graphed_layer_with_fp8_weight_caching_is_refused(kind, eager_replay):
+@pytest.mark.parametrize("mode", GRAPHED["cuda"])
+def test_a_checkpoint_inside_a_graphed_layer_with_fp8_weight_caching_is_refused(kind, mode):
     """TE layers with weights, checkpointed inside the graphed callable, with weight caching:
     measured to part from eager TE after the first microbatch (te.TransformerLayer and
     te.LayerNormMLP, delayed and current scaling), so refused by name at warmup, also by the
@@ -489,7 +464,7 @@ def test_a_checkpoint_inside_a_graphed_layer_with_fp8_weight_caching_is_refused(
             " inside an activation checkpoint (te.distributed.checkpoint or checkpointing.checkpoint) with "
             "cache_quantized_params=True: its recompute caches other FP8 weights than its forward")):
         make_graphed_callables(layer, sample, enabled=True, recipe=recipe, cache_quantized_params=True,
-                               get_rng_state_tracker=tracker, eager_replay=eager_replay)
+                               get_rng_state_tracker=tracker, eager_replay=harness.eager_replay(mode))
     x = sample[0].detach().clone().requires_grad_()
     with te().autocast(enabled=True, recipe=recipe):
         y = layer(x, is_first_microbatch=True)
@@ -503,9 +478,10 @@ def test_our_checkpoint_recomputes_fp8_as_transformer_engines_does(recipe_name):
     ``checkpointing.checkpoint`` trains in FP8 exactly as under ``te.distributed.checkpoint``:
     the recompute runs in the forward's FP8 autocast, with the forward's scales."""
     _skip_unsupported(TESetup("probe", recipe=recipe_name))
-    ours = train(TESetup("ours", recipe=recipe_name, recompute="ours"), "eager")
-    theirs = train(TESetup("theirs", recipe=recipe_name, recompute="te"), "eager")
-    assert_same(ours, theirs, "checkpointing.checkpoint against te.distributed.checkpoint")
+    ours = train(TESetup("ours", recipe=recipe_name, recompute="ours"), EAGER)
+    theirs = train(TESetup("theirs", recipe=recipe_name, recompute="te"), EAGER)
+    harness.assert_same(ours, theirs, "checkpointing.checkpoint against te.distributed.checkpoint",
+                        reference="te.distributed.checkpoint")
 
 
 # -- split weight gradients: delay_wgrad_compute=True, backward_dw() -------------------------
@@ -554,7 +530,7 @@ def build_delayed(kind: str, dtype: torch.dtype) -> nn.Module:
 
 
 @dataclass(frozen=True)
-class WgradSetup:
+class WgradSetup(harness.Row):
     id: str
     module: str = "linear"
     recipe: Optional[str] = None
@@ -564,9 +540,6 @@ class WgradSetup:
     reuse: bool = False
     recompute: bool = False
     hooks: bool = True  # Megatron-style wgrad hooks move each .grad into an accumulator
-
-    def __str__(self) -> str:
-        return self.id
 
 
 WGRAD_SETUPS = [
@@ -615,13 +588,13 @@ def train_wgrad(setup: WgradSetup, mode: str, steps: int = 3) -> Trace:
     # pipeline rank 0 of 2, interleaved 1F1B over 2 chunks of one layer x 4 microbatches
     order = None if plain else with_wgrad_passes(interleaved_1f1b_order(2, 4, 2), setup.placement)
     layers, dw = modules, [m.backward_dw for m in modules]
-    if mode != "eager":
+    if mode != EAGER:
         g = torch.Generator(device="cuda").manual_seed(3)
         samples = tuple((torch.randn(S, B, H, device="cuda", dtype=dtype, generator=g).requires_grad_(),)
                         for _ in range(len(modules) * micro))
         graphed = make_graphed_callables(
             tuple(modules), samples, enabled=recipe is not None, recipe=recipe, get_rng_state_tracker=tracker,
-            eager_replay=mode == "eager_replay", _order=order, _num_layers_per_chunk=[1, 1] if order else None,
+            eager_replay=harness.eager_replay(mode), _order=order, _num_layers_per_chunk=[1, 1] if order else None,
             _reuse_graph_input_output_buffers=setup.reuse,
         )
         layers = list(graphed)
@@ -637,7 +610,7 @@ def train_wgrad(setup: WgradSetup, mode: str, steps: int = 3) -> Trace:
             acc.zero_()
         inputs = [torch.randn(S, B, H, device="cuda", dtype=dtype, generator=data) for _ in range(micro)]
 
-        per_graph = order is not None and mode != "eager"  # one graphed callable per (chunk, microbatch)
+        per_graph = order is not None and mode != EAGER  # one graphed callable per (chunk, microbatch)
 
         def call(chunk, mb, x):
             with te().autocast(enabled=recipe is not None, recipe=recipe):
@@ -664,11 +637,11 @@ def train_wgrad(setup: WgradSetup, mode: str, steps: int = 3) -> Trace:
 @pytest.mark.parametrize("setup", WGRAD_SETUPS, ids=str)
 def test_split_weight_gradients_equal_eager_te_by_hand(setup):
     _skip_unsupported(TESetup("probe", recipe=setup.recipe))
-    assert_graphs_and_eager_replay_equal_eager(lambda mode: train_wgrad(setup, mode))
+    harness.differential(lambda mode: train_wgrad(setup, mode), GRAPHED["cuda"], setup.id)
 
 
-@pytest.mark.parametrize("eager_replay", [False, True], ids=["graphs", "eager-replay"])
-def test_a_forward_captured_after_a_weight_gradient_pass_waits_for_it(eager_replay):
+@pytest.mark.parametrize("mode", GRAPHED["cuda"])
+def test_a_forward_captured_after_a_weight_gradient_pass_waits_for_it(mode):
     """Order F B W F B W: microbatch 1's forward was captured after microbatch 0's
     weight-gradient pass had freed what that pass reads (TE's queued inputs and grads), so
     it is refused while the pass still waits; in the captured order the calls go on."""
@@ -676,7 +649,7 @@ def test_a_forward_captured_after_a_weight_gradient_pass_waits_for_it(eager_repl
     layer = te().Linear(H, H, params_dtype=torch.bfloat16, delay_wgrad_compute=True).cuda()
     samples = tuple((torch.randn(S, B, H, device="cuda", dtype=torch.bfloat16, requires_grad=True),) for _ in range(2))
     mb0, mb1 = make_graphed_callables((layer,), samples, _order=[1, -1, -1.5, 1, -1, -1.5], _num_layers_per_chunk=[1],
-                                      eager_replay=eager_replay)
+                                      eager_replay=harness.eager_replay(mode))
     x = torch.randn(S, B, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     mb0(x).sum().backward()
     with pytest.raises(RuntimeError, match=re.escape(
@@ -689,15 +662,15 @@ def test_a_forward_captured_after_a_weight_gradient_pass_waits_for_it(eager_repl
     mb1.backward_dw()
 
 
-@pytest.mark.parametrize("eager_replay", [False, True], ids=["graphs", "eager-replay"])
-def test_backward_dw_calls_that_would_part_from_eager_te_are_refused(eager_replay):
+@pytest.mark.parametrize("mode", GRAPHED["cuda"])
+def test_backward_dw_calls_that_would_part_from_eager_te_are_refused(mode):
     reseed(5)
     layer = te().Linear(H, H, params_dtype=torch.bfloat16, delay_wgrad_compute=True).cuda()
     samples = tuple((torch.randn(S, B, H, device="cuda", dtype=torch.bfloat16, requires_grad=True),) for _ in range(2))
     # Both backwards before the passes: with F F B W B W, microbatch 1's backward, captured
     # after microbatch 0's pass had run, would be refused while that pass waits (replay.ReplayOrder).
     mb0, mb1 = make_graphed_callables((layer,), samples, _order=[1, 1, -1, -1, -1.5, -1.5], _num_layers_per_chunk=[1],
-                                      eager_replay=eager_replay)
+                                      eager_replay=harness.eager_replay(mode))
     x = torch.randn(S, B, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     with pytest.raises(RuntimeError, match=re.escape("backward_dw() without a backward waiting for it")):
         mb0.backward_dw()
@@ -759,10 +732,9 @@ def test_delayed_weight_gradients_need_their_passes_in_the_order():
     reseed(5)
     layer = te().Linear(H, H, params_dtype=torch.bfloat16, delay_wgrad_compute=True).cuda()
     samples = ((torch.randn(S, B, H, device="cuda", dtype=torch.bfloat16, requires_grad=True),),)
-    forward = layer.forward
-    with pytest.raises(ValueError, match=re.escape("built with delay_wgrad_compute=True, whose backward leaves the weight gradients to backward_dw(), but the order gives it no weight-gradient pass; add -c-0.5")):
+    with harness.refused(ValueError, re.escape("built with delay_wgrad_compute=True, whose backward leaves the weight gradients to backward_dw(), but the order gives it no weight-gradient pass; add -c-0.5"),
+                         layer):
         make_graphed_callables((layer,), samples, _order=[1, -1], _num_layers_per_chunk=[1])
-    assert layer.forward == forward and all(p.grad is None for p in layer.parameters())
 
 
 # -- gradient-accumulation fusion (fuse_wgrad_accumulation=True, Megatron's main_grad) -------------
@@ -785,7 +757,7 @@ def _megatron_ddp_hooks(params) -> list:
     return kept
 
 
-def _fused_run(kind: str, mode: str) -> list:
+def _fused_run(kind: str, mode: str) -> Trace:
     reseed(11)
     t = te()
     layers = [t.LayerNormLinear(H, H, params_dtype=torch.bfloat16, fuse_wgrad_accumulation=True) if kind == "ln_linear"
@@ -793,12 +765,13 @@ def _fused_run(kind: str, mode: str) -> list:
     layers = [m.cuda() for m in layers]
     params = [p for m in layers for p in m.parameters()]
     keep = _megatron_ddp_hooks(params)
-    if mode != "eager":
+    if mode != EAGER:
         g = torch.Generator(device="cuda").manual_seed(3)
         samples = tuple((torch.randn(S, B, H, device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True),)
                         for _ in layers)
-        layers = list(make_graphed_callables(tuple(layers), samples, eager_replay=mode == "eager-replay"))
-    seen = [[p.main_grad.clone() for p in params]]  # graphing leaves main_grad as it was
+        layers = list(make_graphed_callables(tuple(layers), samples, eager_replay=harness.eager_replay(mode)))
+    trace = Trace()
+    trace.main_grads.append([p.main_grad.clone() for p in params])  # graphing leaves main_grad as it was
     data = torch.Generator(device="cuda").manual_seed(5)
     for step in range(3):
         for p in params:
@@ -809,23 +782,23 @@ def _fused_run(kind: str, mode: str) -> list:
             for layer in layers:
                 y = layer(y)
             weighted_loss(y).backward()
-            seen.append([x.grad.clone()])
-        seen.append([p.main_grad.clone() for p in params] + [torch.tensor(p.grad_added_to_main_grad) for p in params])
+            trace.input_grads.append(x.grad.clone())
+        # each step's main_grads, then whether the fused kernels wrote them
+        trace.main_grads.append([p.main_grad.clone() for p in params]
+                                + [torch.tensor(p.grad_added_to_main_grad) for p in params])
         with torch.no_grad():
             for p in params:
                 p.add_(p.main_grad.to(p.dtype), alpha=-0.01)
-        seen.append([p.detach().clone() for p in params])
+        trace.weights.append([p.detach().clone() for p in params])
     del keep
-    return seen
+    return trace
 
 
-@pytest.mark.parametrize("mode", ["graphs", "eager-replay"])
+@pytest.mark.parametrize("mode", GRAPHED["cuda"])
 @pytest.mark.parametrize("kind", ["ln_linear", "ln_mlp"])
 def test_gradient_accumulation_fusion_equals_eager_te(kind, mode):
     """TE modules that accumulate weight gradients into main_grad inside their kernels, under
     a Megatron-DDP-style hook: main_grad, the flag, input grads and weights after SGD steps
     bitwise as eager TE's; warmup leaves main_grad as it was."""
-    want, got = _fused_run(kind, "eager"), _fused_run(kind, mode)
-    assert len(got) == len(want)
-    for i, (a, b) in enumerate(zip(got, want)):
-        assert_all_equal(a, b, f"{kind} {mode}, observation {i}")
+    want, got = _fused_run(kind, EAGER), _fused_run(kind, mode)
+    harness.assert_same(got, want, f"{kind} {mode}")
