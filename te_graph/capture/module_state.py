@@ -103,6 +103,10 @@ class ModuleState:
         self._last = self._observe()  # what the previous pass left
         self._passes = 0
         self._sums = [self._state_sums()]  # per pass: what each module's own tensors hold (``_check_first_call``)
+        # The watched modules' own parameters, on the host: a forward that writes them (a first
+        # call's initialisation, through .data) is refused, and a refusal leaves them as they were.
+        self._param_copies = [(p, p.detach().to("cpu", copy=True)) for _, _, sub in self._watched
+                              for p in sub._parameters.values() if isinstance(p, torch.Tensor)]
 
     # -- after each pass ---------------------------------------------------------------------
     def after_pass(self, executed: bool) -> None:
@@ -273,6 +277,9 @@ class ModuleState:
             for weight, saved in self._maxnorm:
                 weight.copy_(saved)
         if not succeeded:
+            with torch.no_grad():
+                for p, value in self._param_copies:
+                    p.copy_(value)
             for (*_, sub), saved in zip(self._watched, self._saved_dicts):
                 for key in [k for k in sub.__dict__ if k not in saved]:
                     del sub.__dict__[key]

@@ -1,0 +1,319 @@
+"""Setups that trained silently wrong or crashed before, each now exact or a clear refusal
+before anything changes, in graphs and eager replay alike: state the forward reads changed
+after graphing, torch's own checkpoint with dropout, host randomness and reseeding, a
+first-call initialisation, a loss over some of the outputs, dataclass output records,
+crashes turned into refusals, and bad option values."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import enum
+import io
+import random
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import rng
+import te_graph
+
+MODES = [pytest.param("cpu", True, id="eager-replay-cpu"),
+         pytest.param("cuda", False, id="graphs", marks=pytest.mark.gpu),
+         pytest.param("cuda", True, id="eager-replay-cuda", marks=pytest.mark.gpu)]
+H = 32
+
+
+def _x(device, requires_grad=True, seed=None):
+    g = torch.Generator().manual_seed(seed) if seed is not None else None
+    return torch.randn(8, 2, H, generator=g).to(device).requires_grad_(requires_grad)
+
+
+def _refused(call, error, text):
+    with pytest.raises(error, match=re.escape(text)):
+        call()
+
+
+class Kind(enum.Enum):
+    CAUSAL = 1
+    PADDING = 2
+
+
+class Reads(nn.Module):
+    """A forward that reads an activation, a dtype, an enum and a buffer from its module."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(H, H)
+        self.act = F.gelu
+        self.out_dtype = torch.float32
+        self.kind = Kind.CAUSAL
+        self.register_buffer("scale", torch.ones(H))
+
+    def forward(self, x):
+        y = self.act(self.lin(x)) * self.scale
+        if self.kind is Kind.PADDING:
+            y = y * 2
+        return y.to(self.out_dtype)
+
+
+CHANGES = {
+    "activation": (lambda m: setattr(m, "act", F.silu), "attribute 'act' of the module is"),
+    "dtype": (lambda m: setattr(m, "out_dtype", torch.float64), "attribute 'out_dtype' of the module is torch.float64"),
+    "enum": (lambda m: setattr(m, "kind", Kind.PADDING), "attribute 'kind' of the module is <Kind.PADDING: 2>"),
+    "patched-forward": (lambda m: setattr(m.lin, "forward", lambda x: x),
+                        "'lin' has an instance attribute 'forward' now, which hides what its forward read"),
+    "buffer-data": (lambda m: setattr(m.scale, "data", torch.full((H,), 2.0, device=m.scale.device)),
+                    "buffer 'scale' now lies at another address (b.data = ..., or the module was moved or cast)"),
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+@pytest.mark.parametrize("device, eager_replay", MODES)
+def test_state_the_forward_reads_changed_after_graphing_is_refused(device, eager_replay, change):
+    m = Reads().to(device)
+    te_graph.make_graphed_callables(m, (_x(device),), eager_replay=eager_replay)
+    m(_x(device)).sum().backward()
+    apply, text = CHANGES[change]
+    apply(m)
+    _refused(lambda: m(_x(device)), RuntimeError, "callable 0 (Reads): since graphing, " + text)
+
+
+@pytest.mark.parametrize("device, eager_replay", MODES)
+def test_an_attribute_the_forward_never_reads_may_change(device, eager_replay):
+    m = Reads().to(device)
+    te_graph.make_graphed_callables(m, (_x(device),), eager_replay=eager_replay)
+    m.note = "logged elsewhere"
+    m.lin.tag = 3.5
+    m(_x(device)).sum().backward()
+
+
+@pytest.mark.parametrize("device, eager_replay", MODES)
+def test_saved_tensor_hooks_at_call_time_are_refused_and_a_checkpoints_are_not(device, eager_replay):
+    m = Reads().to(device)
+    te_graph.make_graphed_callables(m, (_x(device),), eager_replay=eager_replay)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        _refused(lambda: m(_x(device)), RuntimeError, "callable 0 (Reads): since graphing, saved-tensor hooks are active")
+    x = _x(device)
+    torch.utils.checkpoint.checkpoint(m, x, use_reentrant=False).sum().backward()
+    assert x.grad is not None
+
+
+class LayerDrop(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(H, H)
+
+    def forward(self, x):
+        return self.lin(x) if random.random() < 0.5 else x * 1.0
+
+
+class Reseeds(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(H, H)
+
+    def forward(self, x):
+        torch.manual_seed(0)
+        return F.dropout(self.lin(x), 0.5)
+
+
+class ActNorm(nn.Module):
+    """Glow's data-dependent initialisation on the first batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.loc = nn.Parameter(torch.zeros(H))
+        self.initialized = False
+
+    def forward(self, x):
+        if not self.initialized:
+            with torch.no_grad():
+                self.loc.data.copy_(-x.mean((0, 1)))
+            self.initialized = True
+        return x + self.loc
+
+
+REFUSED_AT_GRAPHING = {
+    "python-random": (LayerDrop, "make_graphed_callables: the forward of callable 0 (LayerDrop) draws from Python's random module"),
+    "manual-seed": (Reseeds, "make_graphed_callables: the forward of callable 0 (Reseeds) calls torch.manual_seed"),
+    "first-call-init": (ActNorm, "make_graphed_callables: the forward of callable 0 (ActNorm) initialises 'the module' from its first call"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED_AT_GRAPHING))
+@pytest.mark.parametrize("device, eager_replay", MODES)
+def test_host_randomness_reseeding_and_first_call_initialisation_are_refused_and_nothing_changed(device, eager_replay, case):
+    cls, text = REFUSED_AT_GRAPHING[case]
+    m = cls().to(device)
+    before = [p.detach().clone() for p in m.parameters()]
+    python_state = random.getstate()
+    _refused(lambda: te_graph.make_graphed_callables(m, (_x(device),), eager_replay=eager_replay), ValueError, text)
+    assert random.getstate() == python_state, "warmup advanced the user's Python random stream"
+    assert all(torch.equal(a, b) for a, b in zip(before, m.parameters()))
+    assert "forward" not in m.__dict__
+
+
+class Entropy(nn.Module):
+    """Returns (hidden, entropy): the loss uses the hidden states only."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(H, H)
+
+    def forward(self, x):
+        h = self.lin(x)
+        p = torch.softmax(h, -1)
+        return F.dropout(h, 0.2), -(p * p.log()).sum(-1)
+
+
+@pytest.mark.parametrize("device, eager_replay", MODES)
+def test_a_loss_over_some_outputs_trains_exactly(device, eager_replay):
+    torch.manual_seed(0)
+    m = Entropy().to(device)
+    ref = copy.deepcopy(m)
+    te_graph.make_graphed_callables(m, (_x(device),), eager_replay=eager_replay)
+    for step in range(3):
+        xa, xb = _x(device, seed=step), _x(device, seed=step)
+        torch.manual_seed(10 + step)
+        y, _ = m(xa)
+        (y * y).sum().backward()
+        torch.manual_seed(10 + step)
+        y2, _ = ref(xb)
+        (y2 * y2).sum().backward()
+        assert torch.equal(y, y2) and torch.equal(xa.grad, xb.grad), f"step {step}"
+        assert torch.equal(m.lin.weight.grad, ref.lin.weight.grad) and torch.equal(m.lin.bias.grad, ref.lin.bias.grad)
+
+
+@dataclasses.dataclass
+class Out:
+    hidden: torch.Tensor
+    aux: torch.Tensor
+    note: str = "stats"
+
+
+class Record(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(H, H)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return Out(h, (h * h).mean())
+
+
+@pytest.mark.parametrize("device, eager_replay", MODES)
+def test_outputs_in_a_dataclass_record_are_fresh_every_call_and_train(device, eager_replay):
+    m = Record().to(device)
+    ref = copy.deepcopy(m)
+    te_graph.make_graphed_callables(m, (_x(device),), eager_replay=eager_replay)
+    for step in range(2):
+        xa, xb = _x(device, seed=step), _x(device, seed=step)
+        out, want = m(xa), ref(xb)
+        assert isinstance(out, Out) and out.note == "stats"
+        (out.hidden.sum() + out.aux).backward()
+        (want.hidden.sum() + want.aux).backward()
+        assert torch.equal(out.aux, want.aux) and torch.equal(xa.grad, xb.grad)
+        assert torch.equal(m.lin.weight.grad, ref.lin.weight.grad)
+
+
+class CheckpointedDropout(nn.Module):
+    """Hugging Face's gradient checkpointing: torch's own checkpoint, non-reentrant, with
+    its default preserve_rng_state=True, around a block with dropout."""
+
+    def __init__(self, reentrant):
+        super().__init__()
+        self.lin = nn.Linear(H, H)
+        self.reentrant = reentrant
+
+    def block(self, x):
+        return F.dropout(F.gelu(self.lin(x)), 0.3)
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=self.reentrant)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("device, eager_replay", MODES)
+def test_torchs_own_checkpoint_with_dropout_recomputes_the_forwards_masks(device, eager_replay, reentrant):
+    torch.manual_seed(0)
+    m = CheckpointedDropout(reentrant).to(device)
+    ref = copy.deepcopy(m)
+    te_graph.make_graphed_callables(m, (_x(device),), eager_replay=eager_replay)
+    for step in range(3):
+        xa, xb = _x(device, seed=step), _x(device, seed=step)
+        torch.manual_seed(20 + step)
+        y = m(xa)
+        (y * y).sum().backward()
+        torch.manual_seed(20 + step)
+        y2 = ref(xb)
+        (y2 * y2).sum().backward()
+        assert torch.equal(y, y2) and torch.equal(xa.grad, xb.grad), f"step {step}"
+        assert torch.equal(m.lin.weight.grad, ref.lin.weight.grad), f"step {step}"
+
+
+@pytest.mark.parametrize("device, eager_replay", MODES)
+def test_a_graphed_module_saved_whole_loads_as_an_eager_one(device, eager_replay):
+    m = nn.Sequential(nn.Linear(H, H)).to(device)
+    te_graph.make_graphed_callables(m, (_x(device),), eager_replay=eager_replay)
+    buffer = io.BytesIO()
+    torch.save(m, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    x = _x(device, requires_grad=False)
+    assert torch.equal(loaded(x), m(x))
+    te_graph.make_graphed_callables(loaded, (_x(device),), eager_replay=eager_replay)  # graphable again
+
+
+def test_clear_refusals_before_anything_changes():
+    lin = nn.Linear(4, 4)
+    with torch.inference_mode():
+        _refused(lambda: te_graph.make_graphed_callables(lin, (torch.randn(2, 4),), eager_replay=True),
+                 RuntimeError, "make_graphed_callables: called under torch.inference_mode()")
+    _refused(lambda: te_graph.make_graphed_callables(lin, (torch.randn(2, 4).to_sparse(),), eager_replay=True),
+             ValueError, "make_graphed_callables: a sample is a torch.sparse_coo tensor")
+    _refused(lambda: te_graph.make_graphed_callables(nn.Linear(4, 4, device="meta"), (torch.randn(2, 4),),
+                                                     eager_replay=True),
+             ValueError, "make_graphed_callables: a parameter is on the meta device")
+    _refused(lambda: te_graph.make_graphed_callables(nn.Embedding(10, 4, sparse=True), (torch.tensor([1, 2]),),
+                                                     eager_replay=True),
+             ValueError, "make_graphed_callables: the backward of callable 0 (Embedding) gives a parameter (shape "
+                         "(10, 4)) a torch.sparse_coo gradient")
+
+    class InplaceInput(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.drop = nn.Dropout(0.1, inplace=True)
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(self.drop(x))
+
+    m = InplaceInput()
+    _refused(lambda: te_graph.make_graphed_callables(m, (torch.randn(2, 4, requires_grad=True),), eager_replay=True),
+             ValueError, "make_graphed_callables: the forward of callable 0 (InplaceInput) updates an input that "
+                         "requires grad in place")
+    assert "forward" not in m.__dict__
+
+
+@pytest.mark.parametrize("value", ["false", "True", 1, 0.0])
+def test_option_values_of_the_wrong_type_are_refused(value):
+    _refused(lambda: te_graph.make_graphed_callables(nn.Linear(4, 4), (torch.randn(2, 4),), eager_replay=value),
+             TypeError, f"make_graphed_callables: eager_replay must be True or False, got {value!r}")
+
+
+@pytest.mark.parametrize("value", ["2", "maybe", "onn"])
+def test_environment_flags_with_odd_values_are_refused(monkeypatch, value):
+    monkeypatch.setenv("TE_GRAPH_EAGER_REPLAY", value)
+    _refused(lambda: te_graph.make_graphed_callables(nn.Linear(4, 4), (torch.randn(2, 4),)),
+             ValueError, f"environment variable TE_GRAPH_EAGER_REPLAY={value!r} is not a boolean")
+
+
+@pytest.mark.parametrize("value", ["on", "YES", "1", "true"])
+def test_environment_flags_accept_the_boolean_words(monkeypatch, value):
+    monkeypatch.setenv("TE_GRAPH_EAGER_REPLAY", value)
+    m = nn.Linear(4, 4)
+    te_graph.make_graphed_callables(m, (torch.randn(2, 4, requires_grad=True),))  # eager replay: runs on the CPU
+    assert rng.env_flag("TE_GRAPH_EAGER_REPLAY") is True

@@ -1,0 +1,165 @@
+"""The runtime verifier (``te_graph.verify``) and whole-step graphs (``te_graph.make_graphed_step``).
+
+The verifier: no report on equal setups (graphs and eager replay, dropout and recompute,
+microbatches under an order); a report naming the tensor when a guard that would have
+refused a change is switched off; nothing changes in the model (its state as if only the
+graph ran); off, a graphed callable keeps its class. Whole-step graphs: a step of two
+microbatches with dropout, recompute and an optimizer, bitwise equal to the eager step at
+every step; the refusals; a verified step finds nothing."""
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+from torch import nn
+
+import rng
+import te_graph
+from te_graph.replay.graphed import GraphedCallable
+from te_graph.verify.callable import VerifiedCallable
+from tests.graph_helpers import make_blocks, weighted_loss
+
+MODES = [pytest.param("cpu", True, id="eager-replay-cpu"),
+         pytest.param("cuda", False, id="graphs", marks=pytest.mark.gpu)]
+SHAPE = (16, 2, 64)
+
+
+def _batch(device, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(SHAPE, generator=g).to(device)
+
+
+def _train(layers, steps, device, seed=3):
+    """Steps of two microbatches through ``layers``; every output, input grad and weight grad."""
+    seen = []
+    params = [p for layer in layers for p in layer.parameters()]
+    rng.model_parallel_cuda_manual_seed(seed)
+    torch.manual_seed(seed)
+    for step in range(steps):
+        for p in params:
+            p.grad = None
+        for micro in range(2):
+            x = _batch(device, 100 * step + micro).requires_grad_(True)
+            y = x
+            for layer in layers:
+                y = layer(y)[0]
+            weighted_loss(y).backward()
+            seen += [y.detach().clone(), x.grad.clone()]
+        seen += [p.grad.clone() for p in params]
+    return seen
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["plain", "recompute"])
+@pytest.mark.parametrize("device, eager_replay", MODES)
+def test_the_verifier_finds_nothing_on_equal_setups_and_leaves_no_trace(device, eager_replay, recompute):
+    blocks = make_blocks(n=2, device=device, dropout=0.1, recompute=recompute)
+    reference = copy.deepcopy(blocks)
+    sample = tuple((_batch(device, 0).requires_grad_(True),) for _ in blocks)
+    graphed = te_graph.make_graphed_callables(tuple(blocks), sample, eager_replay=eager_replay, verify=True)
+    assert all(type(b.forward) is VerifiedCallable for b in graphed)
+    got = _train(graphed, 3, device)
+    want = _train(reference, 3, device)
+    assert all(torch.equal(a, b) for a, b in zip(got, want)), "the verified run differs from eager"
+    te_graph.verify(graphed, first=0)
+    assert all(type(b.forward) is GraphedCallable for b in graphed), "off: the plain class again"
+
+
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, scale=1.0):
+        return self.lin(x) * scale
+
+
+@pytest.mark.parametrize("device, eager_replay", MODES)
+def test_the_verifier_reports_what_a_switched_off_guard_lets_through(device, eager_replay, monkeypatch):
+    """The constant keyword check switched off: the graph (and eager replay, on its static
+    buffers) keep the constant of capture, the eager shadow takes the call's."""
+    m = Scaled().to(device)
+    te_graph.make_graphed_callables(m, (torch.randn(4, 8, device=device, requires_grad=True),),
+                                    sample_kwargs={"scale": 2.0}, eager_replay=eager_replay)
+    te_graph.verify(m, first=4)
+    m(torch.randn(4, 8, device=device, requires_grad=True), scale=2.0).sum().backward()  # equal: no report
+    layout = type(m.forward._single.layout)
+    flatten = layout.flatten
+    monkeypatch.setattr(layout, "flatten", lambda self, args, kwargs: flatten(self, args, {**kwargs, "scale": 2.0}))
+    with pytest.raises(RuntimeError, match=re.escape(
+            "callable 0 (Scaled): te_graph's verifier ran this call again eagerly and its outputs differ from the "
+            "graph's:\n  output 0: 32 of 32 elements differ at [0, 0]")):
+        m(torch.randn(4, 8, device=device, requires_grad=True), scale=3.0)
+
+
+def test_verify_options_are_checked():
+    with pytest.raises(TypeError, match=re.escape("te_graph.Verify: first must be an int >= 0, got -1.")):
+        te_graph.Verify(first=-1)
+    with pytest.raises(ValueError, match=re.escape("te_graph.Verify: on_mismatch='ignore'; use one of 'raise', "
+                                                   "'warn', 'eager'.")):
+        te_graph.Verify(on_mismatch="ignore")
+    with pytest.raises(TypeError, match=re.escape("make_graphed_callables: verify must be True/False, an int")):
+        te_graph.make_graphed_callables(nn.Linear(4, 4), (torch.randn(2, 4),), eager_replay=True, verify="yes")
+
+
+def _step_fn(layers, optimizer):
+    def step(x0, x1):
+        optimizer.zero_grad(set_to_none=False)
+        losses = []
+        for x in (x0, x1):
+            y = x.detach().requires_grad_(True)
+            for layer in layers:
+                y = layer(y)[0]
+            loss = weighted_loss(y)
+            loss.backward()
+            losses.append(loss.detach())
+        optimizer.step()
+        return torch.stack(losses)
+    return step
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["plain", "recompute"])
+@pytest.mark.parametrize("device, eager_replay", MODES)
+def test_a_whole_step_graph_equals_the_eager_step_bitwise(device, eager_replay, recompute):
+    blocks = nn.ModuleList(make_blocks(n=2, device=device, dropout=0.1, recompute=recompute))
+    reference = copy.deepcopy(blocks)
+    opt = torch.optim.SGD(blocks.parameters(), lr=1e-3, momentum=0.9)
+    opt_ref = torch.optim.SGD(reference.parameters(), lr=1e-3, momentum=0.9)
+    first = (_batch(device, 1), _batch(device, 2))
+    for layers, optimizer in ((blocks, opt), (reference, opt_ref)):  # one eager step: the optimizer's state
+        rng.model_parallel_cuda_manual_seed(5)
+        torch.manual_seed(5)
+        _step_fn(layers, optimizer)(*first)
+    step = te_graph.make_graphed_step(_step_fn(blocks, opt), first, modules=blocks, optimizer=opt,
+                                      eager_replay=eager_replay, verify=2)
+    assert all(torch.equal(a, b) for a, b in zip(blocks.parameters(), reference.parameters())), "graphing left a trace"
+    batches = [(_batch(device, 10 + i), _batch(device, 20 + i)) for i in range(4)]
+    rng.model_parallel_cuda_manual_seed(9)
+    torch.manual_seed(9)
+    got = [step(*b).clone() for b in batches]
+    rng.model_parallel_cuda_manual_seed(9)
+    torch.manual_seed(9)
+    eager = _step_fn(reference, opt_ref)
+    want = [eager(*b) for b in batches]
+    assert all(torch.equal(a, b) for a, b in zip(got, want)), "losses differ"
+    assert all(torch.equal(a, b) for a, b in zip(blocks.parameters(), reference.parameters())), "weights differ"
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(blocks.parameters(), reference.parameters()))
+    opt.param_groups[0]["lr"] = 2e-3
+    with pytest.raises(RuntimeError, match=re.escape("the graphed step: since graphing, the optimizer's "
+                                                     "hyperparameters")):
+        step(*batches[0])
+    step.reset()
+
+
+def test_a_whole_step_graph_refuses_an_optimizer_without_state_and_bad_arguments():
+    blocks = nn.ModuleList(make_blocks(n=1, device="cpu"))
+    opt = torch.optim.SGD(blocks.parameters(), lr=1e-3, momentum=0.9)
+    batch = (_batch("cpu", 1), _batch("cpu", 2))
+    with pytest.raises(ValueError, match=re.escape("make_graphed_step: the optimizer has no state yet for some "
+                                                   "parameters")):
+        te_graph.make_graphed_step(_step_fn(blocks, opt), batch, modules=blocks, optimizer=opt, eager_replay=True)
+    with pytest.raises(TypeError, match=re.escape("make_graphed_step: step_fn must be callable")):
+        te_graph.make_graphed_step(3, batch, modules=blocks, eager_replay=True)
+    with pytest.raises(TypeError, match=re.escape("make_graphed_step: modules must be the nn.Module the step trains")):
+        te_graph.make_graphed_step(lambda *b: None, batch, modules=[3], eager_replay=True)
