@@ -21,7 +21,9 @@ import torch
 from torch import nn
 
 import te_graph
+from tests import harness
 from tests.graph_helpers import weighted_loss
+from tests.harness import EAGER, GRAPHS
 
 S, B, H = 16, 2, 64
 OVERWRITTEN = "this output was overwritten by a later call of the same graph"
@@ -49,13 +51,13 @@ class Run:
 
 def train(kind: str, device: str, mode: str, seed: int, pool=None, steps: int = 3, microbatches: int = 2) -> Run:
     """SGD steps of ``microbatches`` microbatches through three layers: eagerly, or graphed
-    (``mode`` "graphs" or "eager-replay")."""
+    (``mode``: one of tests/harness.py's modes)."""
     layers, dtype = _layers(kind, device, seed)
     callables = layers
-    if mode != "eager":
+    if mode != EAGER:
         sample = tuple((torch.randn(S, B, H, device=device, dtype=dtype, requires_grad=True),) for _ in layers)
         callables = te_graph.make_graphed_callables(tuple(layers), sample, pool=pool,
-                                                    eager_replay=mode == "eager-replay")
+                                                    eager_replay=harness.eager_replay(mode))
     params = [p for layer in layers for p in layer.parameters()]
     optimizer = torch.optim.SGD(params, lr=0.01)
     g = torch.Generator().manual_seed(seed)
@@ -93,8 +95,8 @@ def _churn(device: str) -> list:
 def held_outputs(kind: str, device: str, mode: str) -> dict:
     """The first run's kept tensors after reset, other graphs, collection and a refilled
     cache, against eager; and its earlier outputs, which later calls overwrote."""
-    want = {seed: train(kind, device, "eager", seed) for seed in (1, 3)}
-    pool = te_graph.graph_pool_handle() if mode == "graphs" else None
+    want = {seed: train(kind, device, EAGER, seed) for seed in (1, 3)}
+    pool = te_graph.graph_pool_handle() if mode == GRAPHS else None
     first = train(kind, device, mode, 1, pool=pool)
     te_graph.reset(first.layers)
     second = train(kind, device, mode, 2, pool=pool)  # the same pool, memory handed on
@@ -124,7 +126,8 @@ def reused_outputs(device: str, mode: str) -> dict:
     sample = tuple((torch.randn(S, B, H, device=device, requires_grad=True),) for _ in range(microbatches * len(layers)))
     graphed = te_graph.make_graphed_callables(tuple(layers), sample, order=ONE_F_ONE_B,
                                               num_layers_per_chunk=len(layers),
-                                              reuse_graph_input_output_buffers=True, eager_replay=mode == "eager-replay")
+                                              reuse_graph_input_output_buffers=True,
+                                              eager_replay=harness.eager_replay(mode))
     g = torch.Generator().manual_seed(5)
     started, done, held, at_forward = 0, 0, [], []
     for c in ONE_F_ONE_B:

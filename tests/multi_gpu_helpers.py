@@ -9,12 +9,14 @@ forms:
   inside them (needs 2 GPUs).
 
 A scenario runs the same program eagerly and through te_graph on each rank and returns
-what both produced (CPU copies); the test compares them bitwise and across ranks. The
-harness gives every rank a deadline: a hang fails the test (faulthandler prints each
-rank's Python stack) instead of blocking the suite.
+what both produced (CPU copies; a training run as tests/harness.py's ``Trace``); the test
+compares them bitwise with the harness's ``assert_same``, and across ranks. Every rank gets
+a deadline: a hang fails the test (faulthandler prints each rank's Python stack) instead of
+blocking the suite.
 """
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
 import os
 import sys
@@ -36,6 +38,7 @@ from checkpointing import checkpoint
 from examples.gpt import GPTBlock
 from examples.parallel import ParallelGPTBlock, allreduce_sequence_parallel_grads
 from examples.runtime import init_process_group, shutdown
+from tests.harness import Trace
 
 WORLD = 2
 SEED = 1234
@@ -157,18 +160,13 @@ def _rank_main(rank: int, scenario: Callable[..., dict], backend: Backend, world
 def _to_cpu(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.detach().cpu()
+    if isinstance(value, Trace):
+        return Trace(**{f.name: _to_cpu(getattr(value, f.name)) for f in dataclasses.fields(value)})
     if isinstance(value, dict):
         return {k: _to_cpu(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return type(value)(_to_cpu(v) for v in value)
     return value
-
-
-def _state(module: nn.Module) -> dict:
-    """Copies of the parameters and their grads, by name."""
-    params = {n: p.detach().clone() for n, p in module.named_parameters()}
-    grads = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
-    return {"params": params, "grads": grads}
 
 
 class Layers(nn.Module):
@@ -211,11 +209,12 @@ def _shard(x: torch.Tensor, ctx: Rank) -> torch.Tensor:
     return x.chunk(ctx.world)[ctx.rank].contiguous()
 
 
-def _train_tensor_parallel(ctx: Rank, blocks: list[ParallelGPTBlock], layers: list, sequence_parallel: bool) -> dict:
-    """STEPS SGD steps; every rank gets the same batch (its sequence shard under SP)."""
+def _train_tensor_parallel(ctx: Rank, blocks: list[ParallelGPTBlock], layers: list, sequence_parallel: bool) -> Trace:
+    """STEPS SGD steps; every rank gets the same batch (its sequence shard under SP): each
+    step's output and input grad, the weights after the last step and its grads, by name."""
     data = torch.Generator().manual_seed(SEED + 1)
     params = [p for b in blocks for p in b.parameters()]
-    outputs, input_grads = [], []
+    trace = Trace()
     ctx.seed(SEED)
     for step in range(STEPS):
         x = ctx.randn(SEQ, BATCH, HIDDEN, generator=data)
@@ -228,17 +227,13 @@ def _train_tensor_parallel(ctx: Rank, blocks: list[ParallelGPTBlock], layers: li
         if sequence_parallel:
             for block in blocks:
                 allreduce_sequence_parallel_grads(block)
-        outputs.append(y.detach().clone())
-        input_grads.append(x.grad.clone())
+        trace.microbatch(y, x)
         if step < STEPS - 1:  # the last step's grads are part of the result
             sgd_step(params)
-    state = {f"layer{i}.{k}": v for i, b in enumerate(blocks) for k, v in _flat_state(b).items()}
-    return {"outputs": outputs, "input_grads": input_grads, "state": state}
-
-
-def _flat_state(module: nn.Module) -> dict:
-    state = _state(module)
-    return {**{f"{n}": p for n, p in state["params"].items()}, **{f"{n}.grad": g for n, g in state["grads"].items()}}
+    named = [(f"layer{i}.{n}", p) for i, b in enumerate(blocks) for n, p in b.named_parameters()]
+    trace.weights = {n: p.detach().clone() for n, p in named}
+    trace.param_grads = {n: p.grad.clone() for n, p in named if p.grad is not None}
+    return trace
 
 
 def _dense_difference(ctx: Rank, sequence_parallel: bool) -> dict:
@@ -322,7 +317,7 @@ def data_parallel(ctx: Rank, order: str = "eager") -> dict:
         g = torch.Generator().manual_seed(SEED + 2)
         return tuple((ctx.randn(SEQ, BATCH, HIDDEN, generator=g, requires_grad=True),) for _ in range(LAYERS))
 
-    def run(order: str) -> dict:
+    def run(order: str) -> Trace:
         stack = build()
         if order == "graph-then-wrap":
             ctx.graph(tuple(stack.layers), samples())
@@ -332,18 +327,18 @@ def data_parallel(ctx: Rank, order: str = "eager") -> dict:
         optimizer = torch.optim.SGD(stack.parameters(), lr=0.1)
         data = torch.Generator().manual_seed(SEED + 100 * ctx.rank)  # other data on each rank
         ctx.seed(SEED, tp_rank=0)
-        outputs, input_grads = [], []
+        trace = Trace()
         for _ in range(STEPS):
             optimizer.zero_grad(set_to_none=False)
             x = ctx.randn(SEQ, BATCH, HIDDEN, generator=data, requires_grad=True)
             y = model(x)
             _weighted_sum(y, data).backward()
-            outputs.append(y.detach().clone())
-            input_grads.append(x.grad.clone())
+            trace.microbatch(y, x)
             grads = {n: p.grad.clone() for n, p in stack.named_parameters()}
             optimizer.step()
-        params = {n: p.detach().clone() for n, p in stack.named_parameters()}
-        return {"outputs": outputs, "input_grads": input_grads, "grads": grads, "params": params}
+        trace.param_grads = grads  # the last step's, by name
+        trace.weights = {n: p.detach().clone() for n, p in stack.named_parameters()}
+        return trace
 
     return {"eager": run("eager"), "graphed": run(order)}
 
@@ -405,15 +400,16 @@ def pipeline_events(orders: list[list[int]]) -> list[tuple[int, str, int, int]]:
     return events
 
 
-def _run_pipeline(ctx: Rank, events: list, call: Callable, step: int) -> dict:
+def _run_pipeline(ctx: Rank, events: list, call: Callable, step: int, trace: Trace) -> None:
     """One iteration: activations forward and gradients backward between the ranks with
-    P2P send/recv outside the layers. Returns each local stage's outputs and input grads."""
+    P2P send/recv outside the layers. Records each local stage's outputs and input grads
+    under ``step{step}/stage{stage}/mb{microbatch}``."""
     ranks, shape = ctx.world, (SEQ, BATCH, HIDDEN)
     last = CHUNKS * ranks - 1
     data = torch.Generator().manual_seed(SEED + 10 + step)  # the same on every rank
     inputs = [ctx.randn(*shape, generator=data) for _ in range(MICROBATCHES)]
     loss_grads = [ctx.randn(*shape, generator=data) for _ in range(MICROBATCHES)]
-    received, live, results = {}, {}, {}
+    received, live = {}, {}
     for owner, kind, chunk, mb in events:
         stage = chunk * ranks + owner
         if owner != ctx.rank:  # another rank's step: receive what it sends here
@@ -429,17 +425,16 @@ def _run_pipeline(ctx: Rank, events: list, call: Callable, step: int) -> dict:
             for layer in range(LAYERS_PER_CHUNK):
                 y, _ = call(chunk, mb, layer)(y)
             live[chunk, mb] = (x, y)
-            results[f"stage{stage}/mb{mb}/output"] = y.detach().clone()  # valid until its backward
+            trace.outputs[f"step{step}/stage{stage}/mb{mb}"] = y.detach().clone()  # valid until its backward
             if stage < last:
                 dist.send(y.detach().contiguous(), dst=(stage + 1) % ranks)
         else:
             x, y = live.pop((chunk, mb))
             y.backward(loss_grads[mb] if stage == last else received.pop(("B", stage, mb)))
-            results[f"stage{stage}/mb{mb}/input_grad"] = x.grad.clone()
+            trace.input_grads[f"step{step}/stage{stage}/mb{mb}"] = x.grad.clone()
             if stage > 0:
                 dist.send(x.grad.contiguous(), dst=(stage - 1) % ranks)
     assert not received and not live, "every message and activation was used"
-    return results
 
 
 def _recv(shape: tuple, src: int, ctx: Rank) -> torch.Tensor:
@@ -461,18 +456,17 @@ def pipeline(ctx: Rank, steps: int = 2) -> dict:
         return [[GPTBlock(HIDDEN, HEADS, DROPOUT, recompute=True, get_rng_tracker=ctx.get_tracker, device=ctx.device)
                  for _ in range(LAYERS_PER_CHUNK)] for _ in range(CHUNKS)]
 
-    def train(chunks: list[list[GPTBlock]], call: Callable) -> dict:
+    def train(chunks: list[list[GPTBlock]], call: Callable) -> Trace:
         params = [p for chunk in chunks for layer in chunk for p in layer.parameters()]
         ctx.seed(SEED + 100 * ctx.rank, tp_rank=0)
-        results = {}
+        trace = Trace(outputs={}, input_grads={}, weights={})
         for step in range(steps):
-            for key, value in _run_pipeline(ctx, events, call, step).items():
-                results[f"step{step}/{key}"] = value
+            _run_pipeline(ctx, events, call, step, trace)
             sgd_step(params)
         for c, chunk in enumerate(chunks):
             for i, layer in enumerate(chunk):
-                results.update({f"chunk{c}/layer{i}/{n}": p.detach().clone() for n, p in layer.named_parameters()})
-        return results
+                trace.weights.update({f"chunk{c}/layer{i}/{n}": p.detach().clone() for n, p in layer.named_parameters()})
+        return trace
 
     eager_chunks = build()
     eager = train(eager_chunks, lambda chunk, mb, layer: eager_chunks[chunk][layer])

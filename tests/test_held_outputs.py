@@ -12,11 +12,13 @@ import sys
 
 import pytest
 
+from tests.harness import EAGER_REPLAY, GRAPHED
 from tests.held_outputs import held_outputs, reused_outputs
 from tests.multi_gpu_helpers import fresh_process_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
+# Transformer Engine and te_graph's integration of it.
+HAVE_TE = all(importlib.util.find_spec(m) is not None for m in ("transformer_engine", "te_graph.integrations.transformer_engine"))
 
 
 def _in_own_process(*argv: str) -> dict:
@@ -49,7 +51,7 @@ def test_held_outputs_stay_valid_after_reset_other_graphs_and_empty_cache(layers
 
 
 def test_held_outputs_stay_valid_in_eager_replay_cpu():
-    _assert_held(held_outputs("torch", "cpu", "eager-replay"), "equal")
+    _assert_held(held_outputs("torch", "cpu", EAGER_REPLAY), "equal")
 
 
 # One chunk, 1F1B over four microbatches: microbatches 0 and 1 hand their buffers on to 2 and 3,
@@ -58,7 +60,7 @@ REUSED_BY_LATER = ["raised", "raised", "equal", "equal"]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["graphs", "eager-replay"])
+@pytest.mark.parametrize("mode", GRAPHED["cuda"])
 def test_outputs_in_reused_buffers_raise_once_their_backward_ran_and_after_reset(mode):
     found = _in_own_process("reuse", mode)
     assert found == {"after_backward": REUSED_BY_LATER, "after_reset": REUSED_BY_LATER}, found
@@ -66,4 +68,4 @@ def test_outputs_in_reused_buffers_raise_once_their_backward_ran_and_after_reset
 
 def test_outputs_in_reused_buffers_keep_their_values_in_eager_replay_cpu():
     """On the CPU nothing can be poisoned: eager replay's outputs are tensors of their own."""
-    assert reused_outputs("cpu", "eager-replay") == {"after_backward": ["equal"] * 4, "after_reset": ["equal"] * 4}
+    assert reused_outputs("cpu", EAGER_REPLAY) == {"after_backward": ["equal"] * 4, "after_reset": ["equal"] * 4}

@@ -3,14 +3,16 @@
 Every scenario (tests/multi_gpu_helpers.py) runs in two forms: gloo on the CPU with
 te_graph's eager replay (here and in CI), and NCCL on 2 GPUs with CUDA graphs and the
 collectives inside them (``-m multi_gpu``; skipped with a reason where fewer than 2 GPUs
-exist). Each compares the te_graph run with the eager run of the same program bitwise,
-on every rank, and checks what must hold across the ranks.
+exist). Each compares the te_graph run with the eager run of the same program bitwise
+(tests/harness.py's ``assert_same``), on every rank, and checks what must hold across the
+ranks.
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
+from tests.harness import assert_same
 from tests.multi_gpu_helpers import (
     CHUNKS,
     GLOO_CPU,
@@ -37,25 +39,6 @@ BACKENDS = [
 WHOLE = ("ln_attn.", "ln_mlp.", "proj.bias", "fc2.bias")
 
 
-def assert_same(got, want, where: str) -> None:
-    """Bitwise equality of two results (dicts, lists and tensors), naming the first difference."""
-    if isinstance(want, dict):
-        assert got.keys() == want.keys(), f"{where}: keys differ"
-        for key in want:
-            assert_same(got[key], want[key], f"{where}/{key}")
-    elif isinstance(want, (list, tuple)):
-        assert len(got) == len(want), f"{where}: lengths differ"
-        for i, (a, b) in enumerate(zip(got, want)):
-            assert_same(a, b, f"{where}[{i}]")
-    elif isinstance(want, torch.Tensor):
-        assert got.shape == want.shape and got.dtype == want.dtype, f"{where}: shape or dtype differs"
-        if not torch.equal(got, want):
-            diff = (got.double() - want.double()).abs().max().item() if want.is_floating_point() else "n/a"
-            pytest.fail(f"{where}: differs (max abs difference {diff})")
-    else:
-        assert got == want, f"{where}: {got!r} != {want!r}"
-
-
 def _is_whole(name: str) -> bool:
     return name.split(".", 1)[1].startswith(WHOLE)
 
@@ -69,19 +52,21 @@ def _assert_tensor_parallel_results(results: list[dict], sequence_parallel: bool
         )
     for run in ("eager", "graphed"):
         zero, one = results[0][run], results[1][run]
-        whole = {k: v for k, v in zero["state"].items() if _is_whole(k)}
-        assert whole, "found the whole parameters"
-        # Whole parameters (and their grads) stay identical on every rank; under sequence
-        # parallelism only because allreduce_sequence_parallel_grads summed their grads.
-        assert_same({k: one["state"][k] for k in whole}, whole, f"{run}: whole parameters across ranks")
-        assert not torch.equal(zero["state"]["layer0.qkv.weight"], one["state"]["layer0.qkv.weight"]), "shards differ"
+        for state in ("weights", "param_grads"):
+            whole = {k: v for k, v in getattr(zero, state).items() if _is_whole(k)}
+            assert whole, f"found the whole parameters' {state}"
+            # Whole parameters (and their grads) stay identical on every rank; under sequence
+            # parallelism only because allreduce_sequence_parallel_grads summed their grads.
+            assert_same({k: getattr(one, state)[k] for k in whole}, whole, f"{run}: whole parameters' {state} across ranks",
+                        reference="rank 0")
+        assert not torch.equal(zero.weights["layer0.qkv.weight"], one.weights["layer0.qkv.weight"]), "shards differ"
         if sequence_parallel:  # each rank holds other positions
-            assert not torch.equal(zero["outputs"][0], one["outputs"][0])
+            assert not torch.equal(zero.outputs[0], one.outputs[0])
         else:
             # Replicated outputs are bitwise equal across ranks: hidden dropout drew the same
             # masks from the default stream on both (attention dropout differs per rank, but
             # is summed over the ranks by the row-parallel all-reduce).
-            assert_same(one["outputs"], zero["outputs"], f"{run}: replicated outputs across ranks")
+            assert_same(one.outputs, zero.outputs, f"{run}: replicated outputs across ranks", reference="rank 0")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -123,10 +108,10 @@ def test_ddp_around_graphed_layers_equals_eager_ddp(backend, order, tmp_path):
         assert_same(result["graphed"], result["eager"], f"rank {rank}: te_graph DDP ({order}) vs eager DDP")
     for run in ("eager", "graphed"):
         zero, one = results[0][run], results[1][run]
-        assert_same(one["grads"], zero["grads"], f"{run}: all-reduced grads across replicas")
-        assert_same(one["params"], zero["params"], f"{run}: weights across replicas")
-        assert not torch.equal(zero["outputs"][0], one["outputs"][0]), "each rank trained on its own data"
-    assert len(results[0]["graphed"]["outputs"]) == STEPS
+        assert_same(one.param_grads, zero.param_grads, f"{run}: all-reduced grads across replicas", reference="rank 0")
+        assert_same(one.weights, zero.weights, f"{run}: weights across replicas", reference="rank 0")
+        assert not torch.equal(zero.outputs[0], one.outputs[0]), "each rank trained on its own data"
+    assert len(results[0]["graphed"].outputs) == STEPS
 
 
 def test_interleaved_schedule_orders_and_lockstep_sequence():
@@ -155,9 +140,9 @@ def test_interleaved_pipeline_graphed_equals_eager(backend, tmp_path):
     for rank, result in enumerate(results):
         assert result["order"] == interleaved_order(rank, 2, CHUNKS, MICROBATCHES)
         assert_same(result["graphed"], result["eager"], f"rank {rank}: te_graph pipeline vs eager pipeline")
-        stages = {key.split("/")[1] for key in result["eager"] if key.startswith("step0/")}
+        stages = {key.split("/")[1] for key in result["eager"].outputs if key.startswith("step0/")}
         assert stages == {f"stage{c * 2 + rank}" for c in range(CHUNKS)}
-        params = [k for k in result["eager"] if k.startswith("chunk")]
+        params = [k for k in result["eager"].weights if k.startswith("chunk")]
         assert len({k.split("/")[0] + k.split("/")[1] for k in params}) == CHUNKS * LAYERS_PER_CHUNK
 
 

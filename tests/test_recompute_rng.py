@@ -1,10 +1,9 @@
-"""The RNG contract for recompute (DESIGN.md, "RNG under recompute"), proven through three
-paths that share one test: plain eager ``checkpoint``, te_graph's eager-replay mode, and
-CUDA graphs with the recompute inside the backward graph. The graphed and eager-replay
-masks are compared with the eager run's (graphs on = graphs off); tests/test_parity.py
-proves the same for whole training runs."""
+"""The RNG contract for recompute (DESIGN.md, "RNG under recompute"), proven in the three
+modes of tests/harness.py that share one test: plain eager ``checkpoint``, te_graph's eager
+replay, and CUDA graphs with the recompute inside the backward graph. The graphed and
+eager-replay masks are compared with the eager run's (graphs on = graphs off);
+tests/test_parity.py proves the same for whole training runs."""
 from __future__ import annotations
-
 
 import pytest
 import torch
@@ -14,7 +13,9 @@ from torch import nn
 import rng
 from checkpointing import checkpoint
 from te_graph import make_graphed_callables
+from tests import harness
 from tests.graph_helpers import DuckTracker
+from tests.harness import EAGER, EAGER_REPLAY, GRAPHS, Trace
 
 P = 0.5
 SHAPE = (64, 4, 32)
@@ -77,12 +78,12 @@ def _seed(seed, get_tracker, tp_rank=0):
 def _build(mode, device, get_tracker, variants, seed=0, tp_rank=0, **graph_kwargs):
     _seed(seed, get_tracker, tp_rank)
     layers = [MaskLayer(v, get_tracker, device) for v in variants]
-    if mode == "eager":
+    if mode == EAGER:
         return layers
     sample = tuple((torch.randn(SHAPE, device=device, requires_grad=True),) for _ in layers)
     return list(
         make_graphed_callables(
-            tuple(layers), sample, eager_replay=(mode == "eager_replay"),
+            tuple(layers), sample, eager_replay=harness.eager_replay(mode),
             get_rng_state_tracker=get_tracker, **graph_kwargs,
         )
     )
@@ -112,7 +113,7 @@ def _mask_contract(mode, device, tracker_kind="ours", steps=5, **kwargs):
     steps, and (graphs and eager replay) equal the masks of the eager run."""
     get_tracker = _tracker_factory(tracker_kind)
     graph_options = kwargs.pop("graph", {})
-    eager = _build("eager", device, get_tracker, VARIANTS + VARIANTS[:2])
+    eager = _build(EAGER, device, get_tracker, VARIANTS + VARIANTS[:2])
     layers = _build(mode, device, get_tracker, VARIANTS + VARIANTS[:2], **graph_options)
     previous = None
     for step in range(steps):
@@ -123,8 +124,7 @@ def _mask_contract(mode, device, tracker_kind="ours", steps=5, **kwargs):
         _INPUTS.set_state(state[1])
         _seed(100 + step, get_tracker)
         out_zero, grad_zero = _step(layers, device, **kwargs)
-        for i, (a, b) in enumerate(zip(out_zero, eager_zero)):
-            assert torch.equal(a, b), f"step {step}, layer {i} ({VARIANTS[i % 6]}): mask differs from the eager run's"
+        harness.assert_same(out_zero, eager_zero, f"step {step}: the masks of layers {VARIANTS + VARIANTS[:2]}")
         for i, (o, g) in enumerate(zip(out_zero, grad_zero)):
             assert o.any(), "dropout dropped nothing"
             assert torch.equal(o, g), f"step {step}, layer {i} ({VARIANTS[i % 6]}): recompute mask differs from forward mask"
@@ -138,15 +138,16 @@ def _mask_contract(mode, device, tracker_kind="ours", steps=5, **kwargs):
 
 
 def test_masks_exact_eager_checkpoint_cpu():
-    _mask_contract("eager", "cpu")
+    _mask_contract(EAGER, "cpu")
 
 
 def test_masks_exact_eager_replay_cpu():
-    _mask_contract("eager_replay", "cpu")
+    _mask_contract(EAGER_REPLAY, "cpu")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["eager", "eager_replay", "graph"])
+@pytest.mark.parametrize("mode", [pytest.param(EAGER, id="eager"), pytest.param(EAGER_REPLAY, id="eager_replay"),
+                                  pytest.param(GRAPHS, id="graph")])
 @pytest.mark.parametrize("tracker_kind", ["ours", "megatron-style"])
 def test_masks_exact_gpu(mode, tracker_kind):
     _mask_contract(mode, "cuda", tracker_kind)
@@ -156,12 +157,12 @@ def test_masks_exact_gpu(mode, tracker_kind):
 def test_masks_exact_with_all_forwards_before_the_backwards():
     """Eight graphed layers run all their forwards, then their backwards in reverse: each
     backward recompute uses the record of its own forward."""
-    _mask_contract("graph", "cuda", steps=6)
+    _mask_contract(GRAPHS, "cuda", steps=6)
 
 
 @pytest.mark.gpu
 def test_masks_exact_with_retain_graph_second_backward():
-    _mask_contract("graph", "cuda", twice=True, graph={"retain_graph_in_backward": True})
+    _mask_contract(GRAPHS, "cuda", twice=True, graph={"retain_graph_in_backward": True})
 
 
 @pytest.mark.gpu
@@ -172,7 +173,7 @@ def test_live_streams_move_exactly_as_eager(variants):
     private generators, consuming nothing."""
     get_tracker = _tracker_factory("ours")
     offsets = []
-    for mode in ("eager", "graph"):
+    for mode in (EAGER, GRAPHS):
         layers = _build(mode, "cuda", get_tracker, variants)
         _seed(5, get_tracker)
         _step(layers, "cuda")
@@ -187,7 +188,7 @@ def test_tensor_parallel_meaning():
     """Default-stream dropout is identical on TP ranks, model-parallel-rng dropout differs."""
     masks = {}
     for rank in (0, 1):
-        layers = _build("graph", "cuda", rng.get_cuda_rng_tracker, ["default", "tracker"], seed=5, tp_rank=rank)
+        layers = _build(GRAPHS, "cuda", rng.get_cuda_rng_tracker, ["default", "tracker"], seed=5, tp_rank=rank)
         torch.manual_seed(11)
         masks[rank] = [_step(layers, "cuda")[0] for _ in range(2)]
     for step in range(2):
@@ -214,7 +215,7 @@ def test_kept_fraction_and_fresh_masks_over_20_steps():
         previous = y != 0
 
 
-def _gpt_run(seed):
+def _gpt_run(seed) -> Trace:
     from tests.graph_helpers import make_blocks, run_layers
 
     blocks = make_blocks(n=3, dropout=0.1, recompute=True, device="cuda", seed=seed)
@@ -223,23 +224,21 @@ def _gpt_run(seed):
     params = [p for b in graphed for p in b.parameters()]
     opt = torch.optim.SGD(params, lr=0.1)
     g = torch.Generator(device="cpu").manual_seed(1)
-    losses, grads = [], []
+    trace = Trace()  # each step's loss (as its output) and parameter grads
     for _ in range(5):
         opt.zero_grad(set_to_none=False)
         x = torch.randn(16, 2, 64, generator=g).cuda().requires_grad_(True)
         loss = run_layers(graphed, x).square().mean()
         loss.backward()
-        losses.append(loss.detach())
-        grads.append(torch.cat([p.grad.flatten() for p in params]).clone())
+        trace.outputs.append(loss.detach())
+        trace.param_grads.append(torch.cat([p.grad.flatten() for p in params]).clone())
         opt.step()
-    return losses, grads
+    return trace
 
 
 @pytest.mark.gpu
 def test_same_seed_same_program_bitwise():
     a, b = _gpt_run(21), _gpt_run(21)
-    for step in range(5):
-        assert torch.equal(a[0][step], b[0][step]), f"loss differs at step {step}"
-        assert torch.equal(a[1][step], b[1][step]), f"grads differ at step {step}"
+    harness.assert_same(b, a, "the same seed again", reference="the first run")
     c = _gpt_run(22)
-    assert not torch.equal(a[0][0], c[0][0]), "another seed gives another run"
+    assert not torch.equal(a.outputs[0], c.outputs[0]), "another seed gives another run"
