@@ -136,7 +136,7 @@ def finish(report: JsonReport, order: Sequence[str], targets: Mapping[str, Targe
         print("\n".join(table_lines(rows)), flush=True)
     lines = evaluate_targets(results, targets)
     report.set_targets(lines)
-    print("\nIssue 12 targets (informational; they assert nothing):")
+    print("\nStep targets (informational; they assert nothing):")
     print("\n".join(format_lines(lines)), flush=True)
     if png and write_png(png, results, title):
         print(f"table plotted to {png}")

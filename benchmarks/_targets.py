@@ -1,4 +1,4 @@
-"""The performance targets of issue 12 as pure logic: benchmark rows in, PASS/FAIL lines out.
+"""The performance targets as pure logic: benchmark rows in, PASS/FAIL lines out.
 
 No CUDA and no torch here, so CPU tests pin every verdict down with hand-made rows. A row
 is the dict a benchmark records for one variant: ``ms`` (median ms per step, or device
@@ -23,6 +23,8 @@ EAGER_BUCKETS = "eager 3 buckets"
 TE_GRAPH_BUCKETS = "te_graph 3 buckets"
 WHOLE_STEP_GRAPH = "whole-step graph"
 TE_GRAPH_STEP = "te_graph step"  # the product's whole-step graph (te_graph.make_graphed_step)
+TE_GRAPH_VERIFY_SAMPLED = "te_graph verify 1/100"  # the runtime verifier on every 100th call
+TE_GRAPH_VERIFY_ALL = "te_graph verify all"  # the runtime verifier on every call
 TE_GRAPHED = "TE graphed"  # Transformer Engine's make_graphed_callables, where TE is present
 
 PASS, FAIL, NOT_AVAILABLE, INFO = "PASS", "FAIL", "n/a", "info"
@@ -43,7 +45,7 @@ class Targets:
     recompute_peer: str = EAGER_RECOMPUTE  # the eager row with the same recompute setting
 
 
-# Issue 12: "tiny <= 1.2x floor and >= 2x faster than torch; small <= 1.08x; medium <=
+# The step targets: "tiny <= 1.2x floor and >= 2x faster than torch; small <= 1.08x; medium <=
 # 1.03x; footprint <= 1.0x eager for small and medium, <= 1.15x for tiny".
 STEP_TARGETS = {
     "tiny": Targets(floor_ratio=1.2, torch_speedup=2.0, footprint_ratio=1.15),
@@ -142,7 +144,7 @@ def _torch_speedup(config: str, rows: Rows, speedup: float) -> TargetLine:
 
 
 def _bucket_info(config: str, rows: Rows) -> list[TargetLine]:
-    """Issue 14's question, no limit set: what do 3 buckets cost against one, and eager?"""
+    """The buckets' question, no limit set: what do 3 buckets cost against one, and eager?"""
     lines = []
     for other in (TE_GRAPH, EAGER_BUCKETS):
         if TE_GRAPH_BUCKETS not in rows or other not in rows:
@@ -177,7 +179,7 @@ def _whole_step_info(config: str, rows: Rows) -> list[TargetLine]:
 
 
 def peer_targets(results: Mapping[str, Rows], pairs: Sequence[tuple[str, str]]) -> list[TargetLine]:
-    """Issue 19's targets, per config and per (ours, peer) pair of rows: ours faster than
+    """The peer targets, per config and per (ours, peer) pair of rows: ours faster than
     the peer, with a steady footprint and a capture peak no larger than the peer's."""
     lines = []
     for config, rows in results.items():
@@ -194,7 +196,7 @@ def peer_targets(results: Mapping[str, Rows], pairs: Sequence[tuple[str, str]]) 
 
 def fp8_targets(results: Mapping[str, Rows], rows_of: Mapping[str, tuple[str, str, str]],
                 bf16_ratio: float = 1.15, whole_step_ratio: float = 1.1) -> list[TargetLine]:
-    """Issue 29's targets, per config and per FP8 precision: te_graph's FP8 row within
+    """The FP8 targets, per config and per FP8 precision: te_graph's FP8 row within
     ``bf16_ratio`` of its bf16 row and within ``whole_step_ratio`` of the whole-step graph
     at the same precision. ``rows_of`` maps a precision to (te_graph's row, te_graph's bf16
     row, the whole-step row)."""

@@ -2,7 +2,7 @@
 Megatron's own full recompute and torch's graphed callables.
 
 Run from the repository root on a CUDA machine with megatron-core importable (the GPU
-machine has no network: carry the wheel in ``.whl/``, see the report of issue 12)::
+machine has no network: carry the wheel in ``.whl/``, as the device README says)::
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
     PYTHONPATH=/tmp/site python3 benchmarks/bench_megatron.py --out /tmp/megatron.json
@@ -92,7 +92,7 @@ DEVICE = "cuda"  # a module constant so a CPU dry run of the plumbing can change
 NUM_INPUTS = 4
 DEFAULT_ITERS = 100
 DEFAULT_WARMUP = 10
-# The small config's shape: its targets apply (issue 12), peers paired by recompute setting.
+# The small config's shape: its step targets apply, peers paired by recompute setting.
 TARGETS = {CONFIG: Targets(floor_ratio=1.08, recompute_peer=MEGATRON_RECOMPUTE)}
 
 

@@ -15,7 +15,7 @@ attention probabilities) and measures, one variant after the other in the same p
 * ``te_graph``            ``te_graph.make_graphed_callables(tuple(blocks), sample_args)``;
 * ``te_graph+recompute``  recompute blocks graphed by te_graph (recompute inside the graphs);
 * ``te_graph 3 buckets``  the stack graphed for s, s/2 and s/4 in one call
-                          (``more_shapes=``, issue 14), the steps cycling through them;
+                          (``more_shapes=``), the steps cycling through them;
 * ``torch graphed``       ``torch.cuda.make_graphed_callables(tuple(blocks), sample_args)``;
 * ``TE graphed``          Transformer Engine's ``make_graphed_callables`` on the same blocks
                           (where TE is importable; an error row otherwise);
@@ -26,6 +26,9 @@ attention probabilities) and measures, one variant after the other in the same p
                           least any graphing of the step can take, not a training method;
 * ``te_graph step``       the same step through ``te_graph.make_graphed_step``: one graph,
                           exact dropout and recompute, guards checked at each call;
+* ``te_graph verify 1/100`` ``te_graph`` with the runtime verifier on every 100th call
+                          (``verify=te_graph.Verify(first=0, every=100)``): what sampling costs;
+* ``te_graph verify all`` the verifier on every call (each call also runs eagerly and compares);
 * ``kernel floor``        the GPU time of one eager step (``torch.profiler``: the sum of
                           every device event's time, averaged over a few steps);
 * ``forward kernels``     the GPU time of one forward of the stack as in training (grad
@@ -47,7 +50,7 @@ the peak reserved during build + capture (peak stats reset right before building
 seconds of the ``make_graphed_callables`` call. Variants run from a clean allocator and
 their graphs are freed (``te_graph.reset``) before the next.
 
-The PASS/FAIL lines check issue 12's targets (``_targets.py``); they inform and assert
+The PASS/FAIL lines check the step targets (``_targets.py``); they inform and assert
 nothing. A variant that raises prints its error in its row and the run goes on; every
 finished row is printed at once and written to ``--out`` (a killed run keeps them). The
 default run (3 configs, all rows, 100 timed steps each) is budgeted at a few minutes on
@@ -92,6 +95,8 @@ from _targets import (  # noqa: E402
     WHOLE_STEP_GRAPH,
     TE_GRAPH,
     TE_GRAPH_STEP,
+    TE_GRAPH_VERIFY_ALL,
+    TE_GRAPH_VERIFY_SAMPLED,
     TE_GRAPH_BUCKETS,
     TE_GRAPH_RECOMPUTE,
     TORCH_GRAPHED,
@@ -112,8 +117,8 @@ CONFIGS = {
 # The table's order. Each row starts from a clean allocator (cuBLAS workspaces included),
 # so the order of the timed rows does not change their numbers; profiled rows run last.
 VARIANTS = (EAGER, EAGER_RECOMPUTE, EAGER_BUCKETS, TE_GRAPH, TE_GRAPH_RECOMPUTE,
-            TE_GRAPH_BUCKETS, TORCH_GRAPHED, TE_GRAPHED, WHOLE_STEP_GRAPH, TE_GRAPH_STEP, KERNEL_FLOOR,
-            FORWARD_KERNELS)
+            TE_GRAPH_BUCKETS, TORCH_GRAPHED, TE_GRAPHED, WHOLE_STEP_GRAPH, TE_GRAPH_STEP, TE_GRAPH_VERIFY_SAMPLED,
+            TE_GRAPH_VERIFY_ALL, KERNEL_FLOOR, FORWARD_KERNELS)
 DROPOUT = 0.1
 SEED = 1234
 DEVICE = "cuda"  # a module constant so a CPU dry run of the plumbing can change it
@@ -189,12 +194,14 @@ def _forward_only(cfg: tuple) -> Built:
     return Built(make_forward(blocks), keep=blocks)
 
 
-def _te_graph(cfg: tuple, recompute: bool = False, buckets: bool = False) -> Built:
+def _te_graph(cfg: tuple, recompute: bool = False, buckets: bool = False, verify_every: int = 0) -> Built:
     blocks = build_blocks(cfg, recompute=recompute)
     seqs = bucket_seqs(cfg[2]) if buckets else (cfg[2],)
     samples = [sample_args_for(cfg, s) for s in seqs]
-    graphed, seconds = synchronised(lambda: te_graph.make_graphed_callables(
-        tuple(blocks), samples[0], **({"more_shapes": samples[1:]} if buckets else {})))
+    options = {"more_shapes": samples[1:]} if buckets else {}
+    if verify_every:
+        options["verify"] = te_graph.Verify(first=0, every=verify_every)
+    graphed, seconds = synchronised(lambda: te_graph.make_graphed_callables(tuple(blocks), samples[0], **options))
     return Built(make_train_step(graphed, _params(blocks)), keep=(blocks, graphed),
                  capture_s=seconds, release=lambda: te_graph.reset(graphed))
 
@@ -255,6 +262,8 @@ def variants_for(cfg: tuple) -> dict[str, Variant]:
         TE_GRAPHED: Variant(lambda: _te_graphed(cfg)),
         WHOLE_STEP_GRAPH: Variant(lambda: _whole_step_graph(cfg)),
         TE_GRAPH_STEP: Variant(lambda: _te_graph_step(cfg)),
+        TE_GRAPH_VERIFY_SAMPLED: Variant(lambda: _te_graph(cfg, verify_every=100)),
+        TE_GRAPH_VERIFY_ALL: Variant(lambda: _te_graph(cfg, verify_every=1)),
     }
 
 

@@ -23,14 +23,14 @@ parameters, which TE needs for them), the step running inside
 
 * ``whole-step graph`` the eager step (grad zeroing, forward under ``te.autocast`` with its
   FP8 amax reductions and scale updates, loss, backward) captured as one CUDA graph: the
-  reference for what the GPU needs (issue 29);
+  reference for what the GPU needs;
 
 and the first three with each layer recomputed (``+rc``): TE's own
 ``te.distributed.checkpoint`` for eager and TE's graphs, ``checkpointing.checkpoint`` (exact
 dropout in the recompute) for te_graph, both driven by TE's tracker.
 
-The target lines (issue 19: te_graph faster than TE's graphs on every row, steady footprint
-and capture peak no larger; issue 29: each FP8 row of te_graph within 1.15x of its bf16 row
+The target lines (peers: te_graph faster than TE's graphs on every row, steady footprint
+and capture peak no larger; FP8: each FP8 row of te_graph within 1.15x of its bf16 row
 and within 1.1x of the whole-step graph) inform and assert nothing. A row that fails prints its error and
 the run goes on.
 """
@@ -68,7 +68,7 @@ import te_graph  # noqa: E402
 
 CONFIGS = {
     # name: (layers, hidden, ffn, heads, seq, batch)
-    "te-small": (6, 1024, 4096, 16, 512, 2),  # issue 19's table
+    "te-small": (6, 1024, 4096, 16, 512, 2),  # the peer table's config
     "te-tiny": (24, 256, 1024, 4, 128, 2),  # launch-bound
 }
 PRECISIONS = ("bf16", "fp8-delayed", "fp8-current", "fp8-delayed-weights")
@@ -260,12 +260,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         print("\n".join(table_lines(rows)), flush=True)
     pairs = [(row_name(TE_GRAPH, p, rc), row_name(TE_GRAPHED, p, rc)) for p in args.precisions for rc in (False, True)]
     lines = peer_targets(results, pairs)
-    print("\nIssue 19 targets (informational; they assert nothing):")
+    print("\nPeer targets (informational; they assert nothing):")
     print("\n".join(format_lines(lines)), flush=True)
     fp8 = {p: (row_name(TE_GRAPH, p, False), row_name(TE_GRAPH, "bf16", False), row_name(WHOLE_STEP_GRAPH, p, False))
            for p in args.precisions if p != "bf16"}
     fp8_lines = fp8_targets(results, fp8)
-    print("\nIssue 29 targets (informational; they assert nothing):")
+    print("\nFP8 targets (informational; they assert nothing):")
     print("\n".join(format_lines(fp8_lines)), flush=True)
     report.set_targets(lines + fp8_lines)
     if args.png and write_png(args.png, results, f"bench_te on {env['device']} (TE {env['transformer_engine']})"):

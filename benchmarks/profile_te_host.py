@@ -1,5 +1,5 @@
-"""Where the host time of a te_graph step over Transformer Engine layers goes, per precision
-(issue 29): bf16 against each FP8 recipe, on the launch-bound te-tiny stack by default.
+"""Where the host time of a te_graph step over Transformer Engine layers goes, per precision:
+bf16 against each FP8 recipe, on the launch-bound te-tiny stack by default.
 
 For each precision it builds bench_te.py's ``te_graph`` row (same layers, same step), then
 
@@ -117,7 +117,7 @@ def _bare_replays(graphed: Sequence[torch.nn.Module]) -> Callable[[torch.Tensor]
 _FORWARD, _BACKWARD = "forward call (all of it)", "backward node (all of it)"
 _TIMED = (
     ("te_graph.replay.graphed", "GraphedCallable.__call__", _FORWARD),
-    ("te_graph.guards.frozen", "Fingerprint.check", "  fingerprint check of what the graph froze"),
+    ("te_graph.guards.fingerprint", "Fingerprint.check", "  fingerprint check of what the graph froze"),
     ("te_graph.replay.graph_runner", "GraphRunner.through_autograd", "  in-graph or autograd parameter gradients"),
     ("te_graph.replay.graph_runner", "GraphRunner.forward", "  runner forward"),
     ("te_graph.replay.runner", "Runner._copy_inputs", "    input copies into the static buffers"),

@@ -108,7 +108,7 @@ def shutdown(*graphed: Any, device: torch.device | None = None) -> None:
     """Free the graphs, then leave the process group.
 
     Destroying the process group while graphs that captured NCCL collectives are alive left
-    both ranks unable to exit (issue 11; ``tests/multi_gpu_teardown_probe.py`` reproduces
+    both ranks unable to exit (``tests/multi_gpu_teardown_probe.py`` reproduces
     it), so ``te_graph.reset`` frees them first. Only what is given is reset.
     """
     import te_graph

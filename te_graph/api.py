@@ -15,7 +15,7 @@ import rng
 from .capture.prepare import Prepared, prepare_graphs
 from .capture.session import CaptureOptions
 from .extension import SEAM
-from .guards.frozen import fingerprints
+from .guards.fingerprint import fingerprints
 from .intake import checks
 from .intake.arguments import Samples, call_form, is_mempool, pool_handle, sample_sets
 from .intake.options import GraphOptions, eager_replay_default, graph_options

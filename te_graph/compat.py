@@ -277,17 +277,24 @@ _NUMERICS = (
     ("torch.are_deterministic_algorithms_enabled()", "_get_deterministic_algorithms"),
     ("torch.backends.cudnn.deterministic", "_get_cudnn_deterministic"),
 )
-_NUMERICS_GETTERS = tuple(getattr(torch._C, getter) for _, getter in _NUMERICS if hasattr(torch._C, getter))
+NUMERICS_GETTERS = tuple(getattr(torch._C, getter) for _, getter in _NUMERICS if hasattr(torch._C, getter))
 NUMERICS_SETTINGS = tuple(name for name, getter in _NUMERICS if hasattr(torch._C, getter))
 
 
-_call = operator.methodcaller("__call__")
+# invoke(f) == f(), for a C-level map over getters: operator.call (Python >= 3.11) calls
+# directly; methodcaller looks ``__call__`` up first, about twice as slow per getter.
+invoke = getattr(operator, "call", None) or operator.methodcaller("__call__")
+
+
+# Whether autocast is on for any device: one call without a device string to parse
+# (``torch._C._is_any_autocast_enabled``, private; None where this torch lacks it).
+any_autocast_enabled = getattr(torch._C, "_is_any_autocast_enabled", None)
 
 
 def numerics_settings() -> tuple:
     """The global settings that choose kernels and their rounding, as one tuple (in the
     order of ``NUMERICS_SETTINGS``)."""
-    return tuple(map(_call, _NUMERICS_GETTERS))
+    return tuple(map(invoke, NUMERICS_GETTERS))
 
 
 # The scaled-dot-product-attention backends allowed (``torch.nn.attention.sdpa_kernel`` sets
@@ -295,13 +302,13 @@ def numerics_settings() -> tuple:
 _SDPA = (("flash", "_get_flash_sdp_enabled"), ("memory-efficient", "_get_mem_efficient_sdp_enabled"),
          ("math", "_get_math_sdp_enabled"), ("cuDNN", "_get_cudnn_sdp_enabled"),
          ("overrideable", "_get_overrideable_sdp_enabled"))
-_SDPA_GETTERS = tuple(getattr(torch._C, getter) for _, getter in _SDPA if hasattr(torch._C, getter))
+SDPA_GETTERS = tuple(getattr(torch._C, getter) for _, getter in _SDPA if hasattr(torch._C, getter))
 SDPA_BACKENDS = tuple(name for name, getter in _SDPA if hasattr(torch._C, getter))
 
 
 def sdpa_settings() -> tuple:
     """Which SDPA backends are allowed now, in the order of ``SDPA_BACKENDS``."""
-    return tuple(map(_call, _SDPA_GETTERS))
+    return tuple(map(invoke, SDPA_GETTERS))
 
 
 # The saved-tensor hooks active for every autograd save (``torch.autograd.graph.saved_tensors_hooks``,

@@ -481,7 +481,7 @@ def test_failed_graph_capture_leaves_process_usable():
     torch.cuda.synchronize()
 
 
-# -- host waits inside a graphed callable (issue 28) ----------------------------------------------
+# -- host waits inside a graphed callable ----------------------------------------------------------
 def _event_wait(y):
     event = torch.cuda.Event()
     event.record()

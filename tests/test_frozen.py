@@ -1,11 +1,11 @@
-"""The refusals of issue 27, each with its exact class and message, and what must not be
-refused (eager replay on the CPU; tests/test_silent.py runs the same classes of setups
-eagerly, in eager replay and in graphs, and compares every observable).
+"""What a graph cannot follow is refused, each with its exact class and message, and what must
+not be refused trains as eager (eager replay on the CPU; tests/test_silent.py runs the same
+classes of setups eagerly, in eager replay and in graphs, and compares every observable).
 
-* what a graph froze, checked at every call (``te_graph/frozen.py``);
-* forwards with side effects, compared between warmup passes (``te_graph/module_state.py``);
-* calls a graph cannot serve (a second call before its backward, an unused output among
-  several), bad call forms named before warmup, keywords that may differ from the capture;
+* what a graph froze, checked at every call (``te_graph/guards/frozen.py``);
+* forwards with side effects, compared between warmup passes (``te_graph/capture/module_state.py``);
+* calls a graph cannot serve (a second call before its backward), losses leaving outputs out
+  (trained as eager), bad call forms named before warmup, keywords that may differ from the capture;
 * the RNG tracker found without being told (``rng.process_tracker``).
 """
 from __future__ import annotations
@@ -132,6 +132,23 @@ def test_global_module_hooks_at_graphing_are_refused_where_they_would_run_only_a
     assert seen == [nn.Linear]
 
 
+def test_a_one_element_parameter_replaced_by_an_equal_one_is_refused():
+    """A one-element tensor's == compares values: the check compares such objects by identity."""
+    class Gate(Net):
+        def __init__(self):
+            super().__init__()
+            self.gate = nn.Parameter(torch.ones(1))
+
+        def forward(self, x):
+            return super().forward(x) * self.gate
+
+    m = _graphed(Gate())
+    weighted_loss(m(_x())).backward()  # the check's steady state
+    m.gate = nn.Parameter(torch.ones(1))
+    _refused(m, "callable 0 (Gate): since graphing, parameter 'gate' was replaced by another object "
+                "(a new nn.Parameter or tensor, load_state_dict(assign=True), or None)")
+
+
 def test_a_submodule_mode_or_hyperparameter_changed_is_refused_and_one_set_again_is_not():
     m = _graphed()
     m.drop.p = 0.1  # a new float object, equal to the old one: the same program
@@ -143,12 +160,23 @@ def test_a_submodule_mode_or_hyperparameter_changed_is_refused_and_one_set_again
     _refused(m, "callable 0 (Net): since graphing, attribute 'p' of submodule 'drop' is 0.3, but was 0.1 at capture.")
 
 
+class _Clamp(nn.Module):
+    """Reads ``window`` in its forward: None (no clamp) or a bound."""
+
+    def __init__(self):
+        super().__init__()
+        self.window = None
+
+    def forward(self, x):
+        return x if self.window is None else x.clamp(-self.window, self.window)
+
+
 def test_an_attribute_that_was_none_at_capture_is_named_with_its_values():
     m = Net()
-    m.drop.window = None
+    m.drop = nn.Sequential(_Clamp(), nn.Dropout(0.1))
     m = _graphed(m)
-    m.drop.window = 4.0
-    _refused(m, "callable 0 (Net): since graphing, attribute 'window' of submodule 'drop' is 4.0, but was None at capture.")
+    m.drop[0].window = 4.0
+    _refused(m, "callable 0 (Net): since graphing, attribute 'window' of submodule 'drop.0' is 4.0, but was None at capture.")
 
 
 def test_autocast_and_numerics_settings_that_differ_from_the_capture_are_refused():
@@ -277,18 +305,32 @@ def test_a_second_call_before_the_first_ones_backward_is_refused_at_the_call():
     m(_x())
 
 
-def test_an_output_without_gradient_among_several_is_refused():
+def _trains_as_eager(make, inputs, loss_of, steps: int = 2) -> None:
+    """``make()`` trained eagerly and through eager replay on the same inputs and loss
+    ``loss_of(outputs)``: outputs, input and parameter gradients equal bit for bit."""
+    torch.manual_seed(0)
+    eager, module = make(), make()
+    module.load_state_dict(eager.state_dict())
+    graphed = make_graphed_callables(module, inputs(), eager_replay=True)
+    for step in range(steps):
+        seen = []
+        for m in (eager, graphed):
+            torch.manual_seed(step)
+            args = inputs()
+            out = m(*args)
+            loss_of(out).backward()
+            seen.append(([o.detach() for o in out], [a.grad for a in args],
+                         [None if p.grad is None else p.grad.clone() for p in m.parameters()]))
+        harness.assert_same(seen[1], seen[0], f"step {step}: outputs, input grads, parameter grads")
+
+
+def test_a_loss_leaving_out_an_output_trains_as_eager():
     class Two(Net):
         def forward(self, x):
             y = super().forward(x)
             return y, torch.log(y.abs())
 
-    m = make_graphed_callables(Two(), (_x(),), eager_replay=True)
-    y, _ = m(_x())
-    with pytest.raises(RuntimeError, match=re.escape(
-            "callable 0 (Two): output 1 got no gradient in this backward (the loss does not use it), but the "
-            "backward graph was captured with a gradient for every differentiable output")):
-        weighted_loss(y).backward()
+    _trains_as_eager(Two, lambda: (_x(),), lambda out: weighted_loss(out[0]))
 
 
 def test_an_output_without_gradient_that_another_was_computed_from_trains_as_eager():
@@ -329,8 +371,8 @@ def _mask(grad: bool = False) -> torch.Tensor:
 def test_an_output_computed_only_from_inputs_without_grad_takes_none_as_in_eager():
     """Eager autograd gives an output computed only from inputs that require no grad at a
     call no grad, and a loss may leave it out; so do the graphs at such a call, and train
-    as eager. Where its input requires grad, the output does too, and leaving it out of the
-    loss is refused as before."""
+    as eager. Where its input requires grad, the output does too, and a loss leaving it out
+    trains as eager as well."""
     torch.manual_seed(0)
     eager, module = _WithMask(), _WithMask()
     module.load_state_dict(eager.state_dict())
@@ -350,17 +392,15 @@ def test_an_output_computed_only_from_inputs_without_grad_takes_none_as_in_eager
             assert torch.equal(a.grad, b.grad) and torch.equal(a.grad.signbit(), b.grad.signbit())
     y, logged = graphed(_x(), _mask(grad=True))
     assert logged.requires_grad
-    with pytest.raises(RuntimeError, match=re.escape(
-            "callable 0 (_WithMask): output 1 got no gradient in this backward (the loss does not use it)")):
-        weighted_loss(y).backward()
+    _trains_as_eager(_WithMask, lambda: (_x(), _mask(grad=True)), lambda out: weighted_loss(out[0]))
 
 
 @pytest.mark.parametrize("kind", ["one-node-two-outputs", "path-without-gradient"])
-def test_an_output_without_gradient_that_no_used_output_feeds_is_refused(kind):
+def test_an_output_without_gradient_that_no_used_output_feeds_trains_as_eager(kind):
     """Where the used output's backward reaches the unused one's node but delivers it no
     gradient (both outputs of one node; a Function handing back None), eager autograd skips
-    the unused one's part of the backward: zeros pushed there could give NaN (0/0 in eigh's
-    backward for repeated eigenvalues, sqrt at 0), so the call is refused."""
+    the unused one's part of the backward, where zeros pushed through could give NaN (0/0 in
+    eigh's backward for repeated eigenvalues, sqrt at 0); the graphed callable skips it too."""
     class Eig(nn.Module):
         def __init__(self):
             super().__init__()
@@ -377,14 +417,9 @@ def test_an_output_without_gradient_that_no_used_output_feeds_is_refused(kind):
             return s, NoGrad.apply(s) + self.lin2(x)
 
     if kind == "one-node-two-outputs":
-        m = make_graphed_callables(Eig(), (torch.randn(H, H, requires_grad=True),), eager_replay=True)
-        used, missing, out = 0, 1, m(torch.randn(H, H, requires_grad=True))
+        _trains_as_eager(Eig, lambda: (torch.randn(H, H, requires_grad=True),), lambda out: weighted_loss(out[0]))
     else:
-        m = make_graphed_callables(Sqrt(), (_x(),), eager_replay=True)
-        used, missing, out = 1, 0, m(_x())
-    with pytest.raises(RuntimeError, match=re.escape(
-            f"callable 0 ({type(m).__name__}): output {missing} got no gradient in this backward")):
-        weighted_loss(out[used]).backward()
+        _trains_as_eager(Sqrt, lambda: (_x(),), lambda out: weighted_loss(out[1]))
 
 
 # -- call forms and keywords ---------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""megatron-core's own CUDA-graph path with te_graph as the graph maker (issue 26).
+"""megatron-core's own CUDA-graph path with te_graph as the graph maker.
 
 megatron-core's real training step: GPTModel (Transformer Engine layer spec, bf16), its DDP
 (``main_grad``, gradient-accumulation fusion), its schedule (``get_forward_backward_func``

@@ -1,4 +1,4 @@
-"""No silent wrong results (issue 27): graphs on = graphs off bit for bit, or a clear error.
+"""No silent wrong results: graphs on = graphs off bit for bit, or a clear error.
 
 A differential harness. Each case (tests/silent_cases.py) is a small setup a user can
 reach: a few linears, hidden 16, seq 8, batch 2, float32, 3 steps of 2 microbatches. It

@@ -8,6 +8,7 @@ microbatches with dropout, recompute and an optimizer, bitwise equal to the eage
 every step; the refusals; a verified step finds nothing."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import re
 
@@ -91,6 +92,56 @@ def test_the_verifier_reports_what_a_switched_off_guard_lets_through(device, eag
             "callable 0 (Scaled): te_graph's verifier ran this call again eagerly and its outputs differ from the "
             "graph's:\n  output 0: 32 of 32 elements differ at [0, 0]")):
         m(torch.randn(4, 8, device=device, requires_grad=True), scale=3.0)
+
+
+class Gated(nn.Module):
+    """Reads a float attribute and runs a submodule: what a graph freezes of a module."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.gain = 1.0
+
+    def forward(self, x):
+        return self.lin(x) * self.gain
+
+
+def _gain(m):
+    m.gain = 3.0
+
+
+def _moved(m):
+    m.lin.weight.data = m.lin.weight.detach() * 2
+
+
+def _hooked(m):
+    m.lin.register_forward_hook(lambda module, args, out: out * 2)
+
+
+_SILENT = {"attribute changed": (_gain, None), "parameter moved": (_moved, None),
+           "submodule hook added": (_hooked, None), "autocast turned on": (None, "autocast")}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("change", list(_SILENT))
+def test_the_verifier_reports_each_silent_class_with_its_guard_switched_off(change, monkeypatch):
+    """With every per-call guard switched off, a model changed after graphing replays the
+    captured program: the graph's outputs are not eager code's, and the verifier says so."""
+    from te_graph.guards.fingerprint import Fingerprint
+
+    edit, context = _SILENT[change]
+    m = Gated().cuda()
+    te_graph.make_graphed_callables(m, (torch.randn(4, 8, device="cuda", requires_grad=True),))
+    te_graph.verify(m, first=4)
+    m(torch.randn(4, 8, device="cuda", requires_grad=True)).sum().backward()  # equal: no report
+    monkeypatch.setattr(Fingerprint, "check", lambda self: None)
+    if edit is not None:
+        edit(m)
+    scope = torch.autocast("cuda", dtype=torch.bfloat16) if context else contextlib.nullcontext()
+    with scope, pytest.raises(RuntimeError, match=re.escape(
+            "callable 0 (Gated): te_graph's verifier ran this call again eagerly and its outputs differ from the "
+            "graph's:\n  output 0")):
+        m(torch.randn(4, 8, device="cuda", requires_grad=True))
 
 
 def test_verify_options_are_checked():

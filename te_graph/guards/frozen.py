@@ -31,7 +31,7 @@ tensors' contents.
 from __future__ import annotations
 
 import operator
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 
@@ -43,10 +43,9 @@ from .hooks import (
     HOOK_KINDS, ROUTED_HOOKS, ROUTED_SUBMODULE_HOOKS, SUBMODULE_HOOKS, global_hooks_run_at_capture_only,
     hooks_outside_graphs, leaving_out, same_objects,
 )
-from .reads import SDPA, ForwardReads, watched_names
-from .settings import Settings
+from .reads import ForwardReads, watched_names
 
-__all__ = ["FrozenModule", "Fingerprint", "fingerprints"]
+__all__ = ["FrozenModule", "REGRAPH"]
 
 # Attribute values compared by identity at every call (a new object equal to the old one
 # is taken in on the slow path). Integers are left out: frameworks keep per-call counters
@@ -57,7 +56,7 @@ _requires_grad = operator.attrgetter("requires_grad")
 _data_ptr = torch.Tensor.data_ptr
 
 
-_REGRAPH = (
+REGRAPH = (
     "A graph replays what it captured, so this call would not follow the change. Graph it "
     "again after changing the model: te_graph.reset(...) frees the graphs and gives a module "
     "its eager forward back; then call make_graphed_callables again."
@@ -86,8 +85,10 @@ class FrozenModule:
         self.module = module
         reads = reads if reads is not None else ForwardReads()
         recorded: list[torch.nn.Module] = []  # modules whose reads are known
-        slots: list[_Slot] = []
+        slots: list[_Slot] = []  # values compared by equality (after identity): flags, floats, strings
         values: list[Any] = []
+        object_slots: list[_Slot] = []  # compared by identity: parameters, buffers, submodules, main_grad
+        objects: list[Any] = []
         hook_tables: list[dict] = []
         hook_names: list[str] = []
         hook_kinds: list[str] = []
@@ -109,8 +110,8 @@ class FrozenModule:
             for table, kind in ((compat.parameter_slots(sub), "parameter"), (compat.buffer_slots(sub), "buffer"),
                                 (sub._modules, "submodule")) if not script else ():
                 for key, value in table.items():
-                    slots.append(_Slot(table, key, f"{kind} {_qualified(prefix, key)!r}"))
-                    values.append(value)
+                    object_slots.append(_Slot(table, key, f"{kind} {_qualified(prefix, key)!r}"))
+                    objects.append(value)
             attributes = sub.__dict__
             slots.append(_Slot(attributes, "training", where))
             values.append(sub.training)
@@ -150,8 +151,9 @@ class FrozenModule:
                         # Transformer Engine's fused weight-gradient GEMM writes main_grad by
                         # address: the same object (a slot) at the same address (megatron-core
                         # DDP's offload and reload of its grad buffers keep the object).
-                        slots.append(_Slot(p.__dict__, "main_grad", f"main_grad of parameter {_qualified(prefix, name)!r}"))
-                        values.append(p.__dict__["main_grad"])
+                        object_slots.append(_Slot(p.__dict__, "main_grad",
+                                                  f"main_grad of parameter {_qualified(prefix, name)!r}"))
+                        objects.append(p.__dict__["main_grad"])
                         main_grads.append((_qualified(prefix, name), p.__dict__["main_grad"]))
         for kind, table in compat.global_module_hook_dicts() if global_hooks_run_at_capture_only(module, routed) else ():
             hook_tables.append(table)
@@ -163,12 +165,14 @@ class FrozenModule:
         self._tables = tuple(s.table for s in slots)
         self._keys = tuple(s.key for s in slots)
         self._values = tuple(values)
-        # Compared by identity only (a tensor's == compares values); a new tensor over the
-        # same memory is taken in on the slow path.
-        self._tensor_slots = tuple(tensor_slots)
-        self._tensor_tables = tuple(s.table for s in tensor_slots)
-        self._tensor_keys = tuple(s.key for s in tensor_slots)
-        self._tensor_values = tuple(tensor_values)
+        # Compared by identity only (a one-element tensor's == would compare its value); a
+        # plain tensor attribute replaced by a new tensor over the same memory is taken in on
+        # the slow path.
+        self._object_slots = tuple(object_slots) + tuple(tensor_slots)
+        self._object_tables = tuple(s.table for s in self._object_slots)
+        self._object_keys = tuple(s.key for s in self._object_slots)
+        self._objects = tuple(objects) + tuple(tensor_values)
+        self._first_tensor = len(objects)  # from here on, plain tensor attributes (read by address)
         self._hook_tables = tuple(hook_tables)
         self._hook_names = tuple(hook_names)
         self._hook_kinds = tuple(hook_kinds)
@@ -205,23 +209,40 @@ class FrozenModule:
         self._lengths = tuple(map(len, self._dicts))
         self._class_reads = tuple(frozenset(reads.class_names.get(id(m), ())) for m in recorded)
         self._names = {id(m): name for name, m in module.named_modules()}
+        self._expect()
+
+    def _expect(self) -> None:
+        """What the hot path's one tuple must equal: the watched values and the objects whose
+        == cannot call a changed one equal (modules, None, tensors of several elements, whose
+        == raises), the data pointers of parameters, buffers and main_grads, the
+        requires_grad flags, the lengths of the recorded modules' ``__dict__`` and their
+        classes; and the other objects, compared by identity alone."""
+        slots = self._slots + self._object_slots
+        values = self._values + self._objects
+        safe = [i for i, v in enumerate(values) if i < len(self._slots) or _equal_is_identity(v)]
+        rest = sorted(set(range(len(values))) - set(safe))
+        self._safe_tables = tuple(slots[i].table for i in safe)
+        self._safe_keys = tuple(slots[i].key for i in safe)
+        self._ident_tables = tuple(slots[i].table for i in rest)
+        self._ident_keys = tuple(slots[i].key for i in rest)
+        self._ident_objects = tuple(values[i] for i in rest)
+        self._expected = (tuple(values[i] for i in safe) + self._pointers + self._main_grad_pointers + self._grads
+                          + self._lengths + self._classes)
 
     def matches(self) -> bool:
         """The hot path: True when nothing the graphs read of the module changed."""
         try:
-            # Identity first (tuple equality tries ``is`` before ``==``); a mismatch is
-            # sorted out on the slow path.
+            # One tuple built in C-level passes and compared once (identity first, then ==);
+            # a mismatch is sorted out on the slow path.
             return (
-                tuple(map(_getitem, self._tables, self._keys)) == self._values
-                and all(map(operator.is_, map(_getitem, self._tensor_tables, self._tensor_keys), self._tensor_values))
-                and tuple(map(_data_ptr, self._addressed)) == self._pointers
-                and tuple(map(_data_ptr, self._main_grads)) == self._main_grad_pointers
-                and tuple(map(_requires_grad, self._params)) == self._grads
-                and tuple(map(len, self._dicts)) == self._lengths
-                and tuple(map(type, self._recorded)) == self._classes
+                (*map(_getitem, self._safe_tables, self._safe_keys), *map(_data_ptr, self._addressed),
+                 *map(_data_ptr, self._main_grads), *map(_requires_grad, self._params), *map(len, self._dicts),
+                 *map(type, self._recorded)) == self._expected
+                and (not self._ident_objects or all(map(operator.is_, map(_getitem, self._ident_tables,
+                                                                            self._ident_keys), self._ident_objects)))
                 and (self._still_no_hooks() if self._no_hooks else self._same_hooks())
             )
-        except (KeyError, RuntimeError):  # an attribute was deleted; a tensor compared by value
+        except (KeyError, RuntimeError):  # an attribute was deleted; a value that became a tensor
             return False
 
     def _still_no_hooks(self) -> bool:
@@ -256,9 +277,10 @@ class FrozenModule:
     def changes(self) -> list[str]:
         """What changed, taking in the changes that leave the program as it was."""
         found: list[str] = []
-        values = list(self._values) + list(self._tensor_values)
-        by_address = len(self._slots)  # from here on, plain tensor attributes (read by address)
-        for i, slot in enumerate(self._slots + self._tensor_slots):
+        values = list(self._values) + list(self._objects)
+        scalars = len(self._slots)  # then the objects compared by identity
+        by_address = scalars + self._first_tensor  # from here on, plain tensor attributes (read by address)
+        for i, slot in enumerate(self._slots + self._object_slots):
             now = slot.table.get(slot.key, _GONE)
             then = values[i]
             if now is then:
@@ -273,7 +295,7 @@ class FrozenModule:
                 found.append(f"{slot.what} was replaced by another object ({describe_value(now)}); the graphs "
                              "read the tensor of the capture by its address. Update that tensor in place "
                              "(.copy_(...)), or pass the new one as an input")
-            elif isinstance(then, torch.Tensor) or isinstance(now, torch.Tensor):
+            elif i >= scalars or isinstance(now, torch.Tensor):
                 found.append(f"{slot.what} was replaced by another object (a new nn.Parameter or tensor, "
                              "load_state_dict(assign=True), or None)")
             elif type(now) is type(then) and now == then:
@@ -315,8 +337,8 @@ class FrozenModule:
             counts = f"{len(captured)} -> {len(now)}" + (", other hooks" if len(now) == len(captured) else "")
             found.append(f"{name} changed ({counts}); {reason}")
         if not found:
-            self._values = tuple(values[:by_address])
-            self._tensor_values = tuple(values[by_address:])
+            self._values = tuple(values[:scalars])
+            self._objects = tuple(values[scalars:])
             self._hook_sizes = sizes
             self._hook_keys = tuple(map(tuple, self._hook_tables))
             self._handles_made = made
@@ -324,6 +346,7 @@ class FrozenModule:
             self._manual_len = len(self._manual or ())
             self._no_hooks = not any(sizes)
             self._lengths = tuple(map(len, self._dicts))
+            self._expect()
         return found
 
     def _class_changes(self) -> list[str]:
@@ -344,6 +367,15 @@ class FrozenModule:
 _GONE = object()
 
 
+def _equal_is_identity(value: Any) -> bool:
+    """Whether ``value == other`` can only hold for ``other is value``, or raise: an object
+    with object's ==, or a tensor of several elements (a one-element tensor's == would
+    compare its value)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() > 1 and type(value) in (torch.Tensor, torch.nn.Parameter)
+    return type(value).__eq__ is object.__eq__
+
+
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a`` lies where ``b`` does, laid out alike (what a graph reads of it)."""
     return (a.data_ptr(), a.shape, a.stride(), a.dtype, a.device) == (b.data_ptr(), b.shape, b.stride(), b.dtype,
@@ -352,42 +384,3 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _qualified(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
-
-
-class Fingerprint:
-    """What one graphed callable checks at each call: the settings, and its module's
-    fingerprint where it is a module (shared by every graph of that module)."""
-
-    __slots__ = ("name", "settings", "module")
-
-    def __init__(self, name: str, settings: Settings, module: Optional[FrozenModule]):
-        self.name = name
-        self.settings = settings
-        self.module = module
-
-    def check(self) -> None:
-        settings = self.settings
-        module = self.module
-        if settings.read() == settings.captured and (module is None or module.matches()):
-            return
-        found = settings.changes() + (module.changes() if module is not None else [])
-        if found:
-            raise RuntimeError(f"{self.name}: since graphing, {'; '.join(found)}. {_REGRAPH}")
-
-
-def fingerprints(specs: Sequence[Any], device_type: str, runtime: frozenset, reads: dict) -> list[Fingerprint]:
-    """One fingerprint per graphed callable (``specs``: one ``records.GraphSpec`` each), taken
-    when graphing has ended: what its forwards read (``reads``, per callable), less what an
-    integration checks itself (``extension.Extension.keeps_own_state``)."""
-    modules: dict[int, FrozenModule] = {}
-    result = []
-    for spec in specs:
-        func, frozen = spec.func, None
-        read = reads.get(spec.owner)
-        if isinstance(func, torch.nn.Module):
-            frozen = modules.get(id(func))
-            if frozen is None:
-                frozen = modules[id(func)] = FrozenModule(func, runtime, SEAM.keeps_own_state, spec.routed, read)
-        sdpa = read is not None and SDPA in read.consults
-        result.append(Fingerprint(spec.name, Settings(device_type, sdpa), frozen))
-    return result

@@ -4,6 +4,8 @@ deterministic algorithms), the saved-tensor hooks active, and, for a forward tha
 scaled-dot-product attention, the SDPA backends allowed."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .. import compat
@@ -37,39 +39,63 @@ class Settings:
     def __init__(self, device_type: str, sdpa: bool = False):
         self.device_type = device_type
         self.sdpa = sdpa
+        self.autocast = _autocast(device_type)
+        # One C-level pass over getters per call. Captured with autocast off, one call asks
+        # whether autocast is on for any device (the per-device getters parse the device
+        # string, several times slower); on for another device, the slow path takes it in.
+        self._watch(precise=self.autocast[0] or compat.any_autocast_enabled is None)
+
+    def _watch(self, precise: bool) -> None:
+        """Take the getters the fast path calls, and what they read now."""
+        device_type = self.device_type
+        self._autocast_getters = ((functools.partial(torch.is_autocast_enabled, device_type),
+                                   functools.partial(torch.get_autocast_dtype, device_type)) if precise
+                                  else (compat.any_autocast_enabled,))
+        self._getters = (self._autocast_getters + compat.NUMERICS_GETTERS + (_hooks_token,)
+                         + (compat.SDPA_GETTERS if self.sdpa else ()))
         self.captured = self.read()
 
     def read(self) -> tuple:
-        device = self.device_type
-        enabled = torch.is_autocast_enabled(device)
-        return ((enabled, torch.get_autocast_dtype(device) if enabled else None) + compat.numerics_settings()
-                + (_hooks_token(),) + (compat.sdpa_settings() if self.sdpa else ()))
+        return tuple(map(compat.invoke, self._getters))
 
     def changes(self) -> list[str]:
+        """What differs from the capture; a difference that changes nothing the kernels do
+        (the autocast dtype while autocast is off, autocast on for another device) is taken in."""
         now = self.read()
         if now == self.captured:
             return []
         found = []
-        if now[:2] != self.captured[:2]:
+        autocast = _autocast(self.device_type)
+        if autocast != self.autocast:
             found.append(
-                f"autocast on {self.device_type} is {_autocast_text(now[:2])}, but the graph was "
-                f"captured with {_autocast_text(self.captured[:2])}"
+                f"autocast on {self.device_type} is {_autocast_text(autocast)}, but the graph was "
+                f"captured with {_autocast_text(self.autocast)}"
             )
-        numerics = 2 + len(compat.NUMERICS_SETTINGS)
-        for name, then, value in zip(compat.NUMERICS_SETTINGS, self.captured[2:numerics], now[2:numerics]):
+        now_any = len(self._autocast_getters) == 1 and bool(now[0])
+        now, captured = now[len(self._autocast_getters):], self.captured[len(self._autocast_getters):]
+        numerics = len(compat.NUMERICS_SETTINGS)
+        for name, then, value in zip(compat.NUMERICS_SETTINGS, captured[:numerics], now[:numerics]):
             if then != value:
                 found.append(f"{name} is {value!r}, but was {then!r} at capture")
-        if now[numerics] is not self.captured[numerics]:
+        if now[numerics] is not captured[numerics]:
             found.append("saved-tensor hooks are active (torch.autograd.graph.saved_tensors_hooks or save_on_cpu: "
                          "eager autograd would pack what it saves through them, while the graph's backward reads "
                          "its own activations), which they were not at capture" if now[numerics] is not None else
                          "the saved-tensor hooks active at capture are not any more")
-        for name, then, value in zip(compat.SDPA_BACKENDS, self.captured[numerics + 1:], now[numerics + 1:]):
+        for name, then, value in zip(compat.SDPA_BACKENDS, captured[numerics + 1:], now[numerics + 1:]):
             if then != value:
                 found.append(f"the {name} SDPA backend is {'allowed' if value else 'not allowed'} "
                              f"(torch.nn.attention.sdpa_kernel), but {'was' if then else 'was not'} at capture, and "
                              "the forward calls scaled-dot-product attention")
+        if not found:  # autocast on for another device: watch this device's own from now on
+            self._watch(precise=len(self._autocast_getters) == 2 or now_any)
         return found
+
+
+def _autocast(device_type: str) -> tuple:
+    """(enabled, dtype or None) of autocast on ``device_type``."""
+    enabled = torch.is_autocast_enabled(device_type)
+    return (enabled, torch.get_autocast_dtype(device_type) if enabled else None)
 
 
 def _autocast_text(state: tuple) -> str:

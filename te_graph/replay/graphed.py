@@ -13,7 +13,7 @@ from typing import Any, Iterator
 
 import torch
 
-from ..guards.frozen import Fingerprint
+from ..guards.fingerprint import Fingerprint
 from ..records import GraphSpec
 from ..resources import RESOURCES, Graphed
 from .function import run
@@ -37,7 +37,7 @@ class GraphedCallable(Graphed):
         self._training = spec.training
         self._eager = spec.func.forward if self._module is not None else spec.call  # the other mode, unseen shapes
         self._unseen_shape = unseen_shape
-        self._fingerprint = fingerprint  # what the graphs froze, checked at every call (``guards.frozen``)
+        self._fingerprint = fingerprint  # what the graphs froze, checked at every call (``guards.fingerprint``)
         self._warned = False
         self._reset = False
         # Its forward computes other values under no_grad (``capture.warmup``): calls then run eagerly.
