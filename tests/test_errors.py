@@ -579,7 +579,7 @@ def test_a_host_wait_skipped_while_capturing_is_not_refused():
     for m in (eager, graphed):
         rng.model_parallel_cuda_manual_seed(5)
         m(x).sum().backward()
-    assert all(torch.equal(a.grad, b.grad) for a, b in zip(eager.parameters(), graphed.parameters()))
+    harness.assert_same([p.grad for p in graphed.parameters()], [p.grad for p in eager.parameters()], "parameter grads")
 
 
 def test_only_cuda_stream_capture_errors_are_told_as_host_waits():

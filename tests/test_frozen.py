@@ -109,10 +109,9 @@ def test_a_global_hook_added_after_graphing_is_refused():
 
 def test_global_module_hooks_at_graphing_are_refused_where_they_would_run_only_at_capture():
     """A hook for every module (register_module_forward_hook, ...) runs for a graphed module's
-    submodules only while its graphs are captured: refused at graphing, before anything runs
-    (it used to be taken into the per-call check as it was, and skipped at every replay). A
-    module without submodules is called through nn.Module.__call__: there it runs around each
-    call, as in eager."""
+    submodules only while its graphs are captured, and would be skipped at every replay:
+    refused at graphing, before anything runs. A module without submodules is called through
+    nn.Module.__call__: there it runs around each call, as in eager."""
     seen = []
     hook = torch.nn.modules.module.register_module_forward_hook(lambda module, args, out: seen.append(type(module)))
     try:

@@ -151,8 +151,8 @@ def test_stale_backward_is_refused():
 
 @pytest.mark.gpu
 def test_set_to_none_and_leaf_inputs_get_their_own_grads():
-    """zero_grad(set_to_none=True) between steps, and a leaf input's .grad is a copy that the
-    next replay does not overwrite (PyTorch issue 181723)."""
+    """zero_grad(set_to_none=True) between steps, and a leaf input's .grad is a copy of the
+    graph's static grad buffer, which the next replay does not overwrite."""
     blocks = make_blocks(n=2, device="cuda")
     reference = clone_modules(blocks)
     sample = tuple((torch.randn(SHAPE, device="cuda", requires_grad=True),) for _ in blocks)
