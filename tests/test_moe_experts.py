@@ -17,6 +17,7 @@ from torch import nn
 
 import te_graph
 from tests.graph_helpers import ddp_pre_hook, require
+from tests.harness import refused
 
 require("te_graph.integrations.megatron.moe", "megatron-core's integration, whose MoE code uses Transformer Engine's")
 
@@ -199,22 +200,22 @@ def test_capacity_graphs_freed_by_te_graph_reset_leave_the_padded_program_eager(
 
 
 def test_bad_requests_are_refused_before_anything_changes():
-    layer = Layer()
-    with pytest.raises(ValueError, match=re.escape(
-            "te_graph.graph_dropless_experts: capacities must be positive row counts, got [0].")):
+    layer, linear = Layer(), nn.Linear(2, 2)
+    with refused(ValueError, re.escape(
+            "te_graph.graph_dropless_experts: capacities must be positive row counts, got [0]."), layer):
         graph_dropless_experts(layer, [0], eager_replay=True)
-    with pytest.raises(ValueError, match=re.escape(
-            "te_graph.graph_dropless_experts: the model holds no megatron-core MoELayer")):
-        graph_dropless_experts(nn.Linear(2, 2), [8], eager_replay=True)
-    with pytest.raises(ValueError, match=re.escape(
-            "te_graph.graph_dropless_experts: overflow='drop'; use 'padded' or 'eager'.")):
+    with refused(ValueError, re.escape(
+            "te_graph.graph_dropless_experts: the model holds no megatron-core MoELayer"), linear):
+        graph_dropless_experts(linear, [8], eager_replay=True)
+    with refused(ValueError, re.escape(
+            "te_graph.graph_dropless_experts: overflow='drop'; use 'padded' or 'eager'."), layer):
         graph_dropless_experts(layer, [8], overflow="drop", eager_replay=True)
-    with pytest.raises(ValueError, match=re.escape(
-            "te_graph.graph_dropless_experts: each layer's experts get a pool of their own")):
+    with refused(ValueError, re.escape(
+            "te_graph.graph_dropless_experts: each layer's experts get a pool of their own"), layer):
         graph_dropless_experts(layer, [8], eager_replay=True, pool=object())
     assert "forward" not in layer.experts.__dict__
     graph_dropless_experts(layer, [8], probs_dtype=torch.float64, eager_replay=True)
-    with pytest.raises(ValueError, match=re.escape("these experts are graphed already; remove() first.")):
+    with refused(ValueError, re.escape("these experts are graphed already; remove() first."), layer):
         graph_dropless_experts(layer, [8], probs_dtype=torch.float64, eager_replay=True)
 
 
@@ -325,7 +326,7 @@ class Broken(Experts):
 def test_a_failure_on_a_later_layer_leaves_every_layer_as_it_was():
     model = nn.ModuleList([Layer(), Layer()])
     model[1].experts = Broken()
-    with pytest.raises(RuntimeError, match="broken experts"):
+    with refused(RuntimeError, "broken experts", model):
         graph_dropless_experts(model, [8], probs_dtype=torch.float64, eager_replay=True)
     assert all("forward" not in layer.experts.__dict__ for layer in model)
 
@@ -347,7 +348,7 @@ def test_layers_it_cannot_serve_exactly_are_refused_before_any_is_graphed(setup,
         last.config.moe_expert_capacity_factor, last.config.moe_pad_expert_input_to_capacity = 1.0, True
     else:
         last.config.delay_wgrad_compute = True
-    with pytest.raises(ValueError, match=re.escape(f"te_graph.graph_dropless_experts: {message}")):
+    with refused(ValueError, re.escape(f"te_graph.graph_dropless_experts: {message}"), model):
         graph_dropless_experts(model, [8], probs_dtype=torch.float64, eager_replay=True)
     assert "forward" not in model[0].experts.__dict__
 
@@ -394,9 +395,9 @@ def test_a_dispatch_span_the_layer_cannot_take_is_refused_by_name_and_auto_graph
         dispatcher = AlltoAllLike()
     layer.token_dispatcher = dispatcher
     layer.config.moe_router_topk, layer.config.num_moe_experts = 2, E
-    with pytest.raises(ValueError, match=re.escape(
+    with refused(ValueError, re.escape(
             f"te_graph.graph_dropless_experts: span='dispatch' cannot graph this layer's dispatch: {why}. "
-            "Use span='experts' (or 'auto').")):
+            "Use span='experts' (or 'auto')."), layer):
         graph_dropless_experts(layer, capacities, tokens=tokens, span="dispatch", probs_dtype=torch.float64,
                                eager_replay=True)
     assert "forward" not in layer.experts.__dict__ and "routed_experts_compute" not in layer.__dict__
@@ -416,10 +417,10 @@ def test_a_capacity_factor_without_padding_is_graphed_as_dropless_experts_and_it
         layer.config.moe_expert_capacity_factor = 1.0  # moe_pad_expert_input_to_capacity unset
         layer.token_dispatcher = AlltoAllLike()
         layer.config.moe_router_topk, layer.config.num_moe_experts = 2, E
-    with pytest.raises(ValueError, match=re.escape(
+    with refused(ValueError, re.escape(
             "te_graph.graph_dropless_experts: span='dispatch' cannot graph this layer's dispatch: it drops tokens "
             "beyond a capacity (moe_expert_capacity_factor), so the permuted tokens are not tokens x top-k rows. "
-            "Use span='experts' (or 'auto').")):
+            "Use span='experts' (or 'auto')."), graphed):
         graph_dropless_experts(graphed, [8], tokens=16, span="dispatch", probs_dtype=torch.float64,
                                eager_replay=True)
     (installed,) = graph_dropless_experts(graphed, [8], tokens=16, probs_dtype=torch.float64, eager_replay=True)
@@ -441,10 +442,10 @@ def test_capacities_sharing_a_block_size_over_expert_parallel_ranks_are_graphed_
 
 def test_bad_spans_and_token_counts_are_refused():
     layer = Layer()
-    with pytest.raises(ValueError, match=re.escape(
-            "te_graph.graph_dropless_experts: span='layer'; use 'auto', 'experts' or 'dispatch'.")):
+    with refused(ValueError, re.escape(
+            "te_graph.graph_dropless_experts: span='layer'; use 'auto', 'experts' or 'dispatch'."), layer):
         graph_dropless_experts(layer, [8], span="layer", eager_replay=True)
-    with pytest.raises(ValueError, match=re.escape(
-            "te_graph.graph_dropless_experts: tokens must be a positive count, got 0.")):
+    with refused(ValueError, re.escape(
+            "te_graph.graph_dropless_experts: tokens must be a positive count, got 0."), layer):
         graph_dropless_experts(layer, [8], tokens=0, eager_replay=True)
     assert "forward" not in layer.experts.__dict__
