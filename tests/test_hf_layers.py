@@ -4,8 +4,9 @@ its attention in the eager and the SDPA implementation, with an input that requi
 or not, one layer per callable or two in one call, with a validation pass in eval mode in
 between. A refusal here would be a false positive: these layers train exactly.
 
-On the CPU the graphed side is eager replay (the graphs' mirror); on a GPU the same cases
-run with graphs and with eager replay. Skipped where ``transformers`` is not installed
+Rows of tests/harness.py (layer, attention, input grad), compared as its traces. On the CPU
+the graphed side is eager replay (the graphs' mirror); on a GPU the same cases run with
+graphs and with eager replay. Skipped where ``transformers`` is not installed
 (``pip install -e ".[test]"`` installs it).
 """
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """No silent wrong results: graphs on = graphs off bit for bit, or a clear error.
 
-A differential harness. Each case (tests/silent_cases.py) is a small setup a user can
+Rows of tests/harness.py. Each case (tests/silent_cases.py) is a small setup a user can
 reach: a few linears, hidden 16, seq 8, batch 2, float32, 3 steps of 2 microbatches. It
 runs eagerly (the reference) and through ``make_graphed_callables`` in one mode, from the
 same seeds; the only difference is that the graphed run wraps the modules after building
-them. Every observable is compared with ``torch.equal`` (NaN equal to NaN): outputs, input
+them. Every observable is compared by the harness's ``difference`` (``torch.equal``, NaN
+equal to NaN): outputs, input
 grads, each parameter's ``.grad`` at each step (None-ness included), weights after each
 optimizer step (SGD, or AdamW with weight decay), module buffers, and whatever the case
 observes (plain attributes, counters, grads of keyword tensors).
@@ -14,10 +15,9 @@ Outcome of one (case, mode):
 - ``equal``: it ran and every observable equals eager's.
 - ``refused``: te_graph raised a clear error (its message starts with
   ``make_graphed_callables``, ``te_graph`` or the callable's name, ``callable 0 (Net)``) and
-  nothing changed: raised while graphing, the parameters (objects and values), buffers,
-  ``.grad``s and the modules' ``forward`` are as they were before that
-  ``make_graphed_callables`` call; raised later, the parameters, ``.grad``s and buffers are
-  as they were just before the call, backward or optimizer step that raised.
+  nothing changed: the harness's ``Snapshot`` (parameters and buffers, objects and values,
+  ``.grad``s, the forwards set on the modules, the random streams) taken just before the
+  ``make_graphed_callables`` call, call, backward or optimizer step that raised is unchanged.
 - ``documented``: it ran and differs from eager's by rounding only, in a case whose exact
   condition the guarantee states (``Case.documented``, checked to be in the docs).
 - ``silent``: it ran and some observable differs from eager's.
@@ -29,7 +29,7 @@ the backward reads updated in place, a reentrant checkpoint fed no input requiri
 the graphed run must raise too, at the same point (a call, a backward), having observed
 what eager did until then: ``refused`` then, ``silent`` where it ran on.
 
-Modes: ``eager_replay`` (CPU and CUDA) and ``graphs`` (CUDA only). The tests assert
+Modes (the harness's): eager replay (CPU and CUDA, ids ``eager_replay``) and graphs (CUDA only). The tests assert
 ``equal`` or ``refused`` for every case and mode, and, on a GPU, that graphs and eager
 replay land in the same outcome class (eager replay is the debugging mirror of graphs).
 ``python -m tests.test_silent`` (from the repository root) prints the table for the device this

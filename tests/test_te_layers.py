@@ -1,15 +1,16 @@
 """Transformer Engine's own layers, bf16 and FP8: graphs on = graphs off, against eager TE.
 
-One differential harness, as tests/test_parity.py: each setup trains a stack of TE modules
+Rows of tests/harness.py, as tests/test_parity.py's: each setup trains a stack of TE modules
 for a few SGD steps of two microbatches (each microbatch inside ``te.autocast``), eagerly,
 through te_graph's eager replay and through CUDA graphs, from the same seeds, and compares
-bitwise: outputs, input grads, parameter grads at every step, weights after the steps, and
-the FP8 meta of every module (amax history and scales). Rows cover bf16 parameters and FP8
-primary weights (``te.quantized_model_init``), whose SGD step re-quantizes them in place.
+the traces bitwise: outputs, input grads, parameter grads at every step, weights after the
+steps, and the FP8 meta of every module (amax history and scales). Rows cover bf16
+parameters and FP8 primary weights (``te.quantized_model_init``), whose SGD step
+re-quantizes them in place.
 
-Needs a GPU and Transformer Engine (``pip install -e ".[te]"``; on this project's GPU machine,
-``source .te/setup.sh``); skipped
-otherwise. TE is imported here only.
+Needs a GPU, Transformer Engine (``pip install -e ".[te]"``; on this project's GPU machine,
+``source .te/setup.sh``) and te_graph's integration of it; skipped otherwise. TE is imported
+here only.
 """
 from __future__ import annotations
 
