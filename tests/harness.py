@@ -9,8 +9,8 @@
   equal, ``torch.equal`` after dtype, shape and device, naming the first difference and its
   largest absolute difference; ``difference`` says the same without asserting.
 * ``refused``: a call raises exactly the named exception class with the named message, and
-  what it was handed (parameters, their grads, buffers, the modules' forwards) and the
-  random streams are as they were before it (``Snapshot``).
+  what it was handed (parameters, their grads and main_grads, buffers, the modules'
+  forwards) and the random streams are as they were before it (``Snapshot``).
 * Rows: each test module keeps its setups as data, one ``Row`` each, run in the modes of a
   device (``params``, ``differential``).
 """
@@ -204,6 +204,8 @@ def _state(things: tuple, random: bool) -> dict:
         for name, p in named:
             tensor(f"{prefix}{name}", p)
             tensor(f"{prefix}grad of {name}", p.grad)
+            if hasattr(p, "main_grad"):  # megatron-core DDP's gradient buffer
+                tensor(f"{prefix}main_grad of {name}", p.main_grad)
     if random:
         state["the CPU generator"] = torch.get_rng_state()
         state["the RNG tracker's streams"] = {
@@ -213,9 +215,10 @@ def _state(things: tuple, random: bool) -> dict:
 
 class Snapshot:
     """What a refused call leaves as it was: for each module, every parameter and buffer (the
-    object and its value), every parameter's .grad (the object and its value, or None), and
-    the forward, backward_dw and reset set on it and its submodules; for each tensor, the
-    same as for a parameter; with ``random``, the CPU generator and the RNG tracker's streams."""
+    object and its value), every parameter's .grad and ``main_grad`` where present (the
+    object and its value, or None), and the forward, backward_dw and reset set on it and its
+    submodules; for each tensor, the same as for a parameter; with ``random``, the CPU
+    generator and the RNG tracker's streams."""
 
     def __init__(self, *things: Any, random: bool = True):
         self.things, self.random = things, random

@@ -92,6 +92,7 @@ def test_differential_runs_eager_first_and_each_mode_against_it():
 def test_refused_needs_the_class_the_message_and_nothing_changed():
     m = nn.Linear(2, 2)
     m.weight.grad = torch.ones(2, 2)
+    m.bias.main_grad = torch.zeros(2)
     rng.model_parallel_cuda_manual_seed(3)
     with harness.refused(ValueError, "no", m):
         raise ValueError("no")
@@ -115,6 +116,7 @@ def test_refused_needs_the_class_the_message_and_nothing_changed():
         "forward of the module": lambda: setattr(m, "forward", lambda x: x),
         "the CPU generator": lambda: torch.rand(1),
         "the RNG tracker's streams": lambda: rng.model_parallel_cuda_manual_seed(4),
+        "main_grad of parameter bias differs": lambda: m.bias.main_grad.add_(1),
     }
     for what, change in changes.items():
         with pytest.raises(AssertionError, match=re.escape(what)):
