@@ -9,6 +9,7 @@ pytorch/pytorch#176753; ``checkpointing`` uses ``torch.autograd._is_checkpoint_v
 """
 from __future__ import annotations
 
+import contextlib
 import operator
 import warnings
 from typing import Any, Callable, Sequence
@@ -284,6 +285,17 @@ NUMERICS_SETTINGS = tuple(name for name, getter in _NUMERICS if hasattr(torch._C
 # invoke(f) == f(), for a C-level map over getters: operator.call (Python >= 3.11) calls
 # directly; methodcaller looks ``__call__`` up first, about twice as slow per getter.
 invoke = getattr(operator, "call", None) or operator.methodcaller("__call__")
+
+
+def compiled_code_run_eagerly() -> Any:
+    """A context in which ``torch.compile``'d functions run their Python eagerly and dynamo
+    neither compiles nor touches its caches. te_graph's first warmup pass watches the forward
+    through a TorchFunctionMode and a TorchDispatchMode; a compiled function dynamo first meets
+    under such a mode is run eagerly from then on (torch 2.11: Transformer Engine's fused
+    bias-GELU and bias-dropout-add then round and draw as unfused code for the rest of the
+    process). ``torch.compiler.set_stance`` (torch >= 2.6); before it, nothing."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
 
 
 # Whether autocast is on for any device: one call without a device string to parse

@@ -77,6 +77,26 @@ class _ScaleKeepingVariable(torch.autograd.Function):
         return g * w, (g * ctx.variable).sum(dim=(0, 1))
 
 
+class _TwoOfOneNode(torch.autograd.Function):
+    """One node, two outputs: ``2y`` and ``|y|``. Like eigh's backward for its eigenvectors,
+    the backward skips the second output's term when it got no gradient; zeros pushed
+    through it give NaN where ``y`` is 0 (0 * y / |y|). (eigh itself waits for the GPU from
+    the host, which no graph can capture.)"""
+
+    @staticmethod
+    def forward(ctx, y):
+        ctx.set_materialize_grads(False)
+        magnitude = y.abs()
+        ctx.save_for_backward(y, magnitude)
+        return y * 2, magnitude
+
+    @staticmethod
+    def backward(ctx, g_double, g_magnitude):
+        y, magnitude = ctx.saved_tensors
+        grad = g_double * 2
+        return grad if g_magnitude is None else grad + g_magnitude * y / magnitude
+
+
 class VariableNet(nn.Module):
     """A scale behind a custom Function whose context has a ``variable`` (the input): the
     output needs grad through the weight whatever the input, which the graph walk must see."""
@@ -121,10 +141,8 @@ class Returns(Net):
         if self.what == "source":  # the output is computed from the second (MoE router probabilities)
             h = torch.tanh(self.lin1(x))
             return self.lin2(self.drop(h)), h
-        if self.what == "eigh":  # both outputs of one node: the eigenvalues used, the eigenvectors not
-            y = self.body(x)
-            values, vectors = torch.linalg.eigh(y.transpose(-1, -2) @ y)
-            return y * values.mean(-1).view(-1, 1, 1), vectors
+        if self.what == "one-node":  # both outputs of one node: the first used, the second not
+            return _TwoOfOneNode.apply(torch.relu(self.body(x)))
         if self.what == "behind-function":  # computed from the second through a Function giving it no grad
             d = self.lin1(x) - self.lin1(x).detach()
             second = torch.sqrt(d * d)  # zeros pushed back here would be NaN (sqrt at 0)
@@ -530,8 +548,9 @@ GRADS = [
          build=nets(make=Returns, what="sqrt"), forward=first_outputs),
     Case("unused-source-output", "grads", "ignores a second output that the first was computed from",
          build=nets(make=Returns, what="source"), forward=first_outputs),
-    Case("unused-eigh-vectors", "grads", "uses eigh's eigenvalues and ignores its eigenvectors (a second output)",
-         build=nets(make=Returns, what="eigh"), forward=first_outputs),
+    Case("unused-second-of-one-node", "grads",
+         "uses one output of a node and ignores its second, whose backward would give NaN for a zero grad",
+         build=nets(make=Returns, what="one-node"), forward=first_outputs),
     Case("unused-output-behind-function", "grads",
          "ignores a second output the first reaches only through a Function that gives it no gradient",
          build=nets(make=Returns, what="behind-function"), forward=first_outputs),

@@ -362,18 +362,18 @@ def test_te_graphs_and_eager_replay_equal_eager_te(setup):
 
 def test_the_backward_amax_reduction_replays_as_one_graph(monkeypatch):
     """Delayed scaling: the backward amax reduction after each autocast's first FP8 call is
-    replayed from one graph per device (te_graph/fp8_reduction.py), captured again when TE's
+    replayed from one graph per device (te_graph/integrations/transformer_engine/fp8_reduction.py), captured again when TE's
     buffers change (an eager layer joins at the second step) and not when only the recipe
     object does (a new, equal one for every autocast, as megatron-core makes them), and left
     to TE's own call where TE's update is unfused; the FP8 meta stays bitwise eager TE's
     either way."""
-    from te_graph.resources import RESOURCES
+    from te_graph.integrations.transformer_engine.fp8_replay import backward_amax_reduction
 
     setup = TESetup("transformer-fp8-delayed-eager-layer-joins-later", recipe="delayed", late_eager_layer=True,
                     recipe_per_autocast=True)
     _skip_unsupported(setup)
     want = train(setup, EAGER)
-    reduction = RESOURCES.backward_amax_reduction()
+    reduction = backward_amax_reduction()
     captures, replays = reduction.captures, reduction.replays
     harness.assert_same(train(setup, GRAPHS), want, "graphs")
     # 3 steps of 2 microbatches, each its own autocast; captured at the first step and again

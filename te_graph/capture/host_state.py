@@ -61,7 +61,8 @@ class HostState:
         streams = self._device_streams(tracker)
         seeding: list[str] = []
         effects = _Effects(self, known, streams) if self.device_type == "cuda" else None
-        with _seeding_noted(seeding), effects if effects is not None else contextlib.nullcontext():
+        with _seeding_noted(seeding), compat.compiled_code_run_eagerly(), \
+                effects if effects is not None else contextlib.nullcontext():
             yield
         if seeding:
             raise ValueError(_RESEEDS.format(name=name, what=f"calls {seeding[0]}"))

@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch.overrides import TorchFunctionMode
 
+from .. import compat
 from ..compat import MODULE_INTERNALS
 from ..extension import SEAM
 
@@ -102,7 +103,7 @@ def reads_recorded(modules: Sequence[torch.nn.Module], reads: ForwardReads) -> I
             reads.recorded.add(id(sub))
     previous, _CURRENT[0] = _CURRENT[0], reads
     try:
-        with _Functions(reads):
+        with compat.compiled_code_run_eagerly(), _Functions(reads):
             yield
     finally:
         _CURRENT[0] = previous

@@ -13,7 +13,7 @@ from .fp8 import FP8Options
 from .fp8_reduction import BackwardAmaxReduction
 from .modules import keeps_weight_cache
 
-__all__ = ["FP8Checks", "FP8Replay", "fp8_replay"]
+__all__ = ["FP8Checks", "FP8Replay", "backward_amax_reduction", "fp8_replay"]
 
 
 class _NotFP8(ReplaySteps):
@@ -157,8 +157,14 @@ class FP8Replay(FP8Checks):
         reduction (eager TE runs it at the end of the first FP8 module's backward), replayed
         as a graph where it can be (``fp8_reduction``)."""
         if first:
-            RESOURCES.per_device("transformer_engine.backward_amax_reduction",
-                                lambda: BackwardAmaxReduction(RESOURCES.capture_stream())).run(self.state)
+            backward_amax_reduction().run(self.state)
+
+
+def backward_amax_reduction() -> BackwardAmaxReduction:
+    """The current device's backward amax reduction graph (one per device, owned by
+    ``RESOURCES``, reset at teardown)."""
+    return RESOURCES.per_device("transformer_engine.backward_amax_reduction",
+                                lambda: BackwardAmaxReduction(RESOURCES.capture_stream()))
 
 
 def fp8_replay(enabled: bool, options: FP8Options, modules: Sequence[Any], framework_modules: bool, graphs: bool) -> Any:

@@ -2,7 +2,8 @@
 before anything changes, in graphs and eager replay alike: state the forward reads changed
 after graphing, torch's own checkpoint with dropout, host randomness and reseeding, a
 first-call initialisation, a loss over some of the outputs, dataclass output records,
-crashes turned into refusals, and bad option values."""
+crashes turned into refusals, and bad option values; and the watched first warmup pass
+leaves torch.compile'd code as it found it."""
 from __future__ import annotations
 
 import copy
@@ -167,6 +168,32 @@ class Entropy(nn.Module):
         h = self.lin(x)
         p = torch.softmax(h, -1)
         return F.dropout(h, 0.2), -(p * p.log()).sum(-1)
+
+
+def test_the_watched_first_pass_leaves_compiled_code_as_it_was():
+    """The first warmup pass watches the forward through torch function and dispatch modes; a
+    torch.compile'd function it calls runs eagerly there and is neither compiled again nor
+    left to run eagerly afterwards (Transformer Engine's fused kernels)."""
+    from torch._dynamo.utils import counters
+
+    @torch.compile(backend="eager")
+    def fused(x, bias):
+        return F.gelu(x + bias)
+
+    class Fused(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(H, H)
+
+        def forward(self, x):
+            return fused(self.lin(x), self.lin.bias)
+
+    m = Fused()
+    m(_x("cpu")).sum().backward()
+    compiled = counters["frames"]["total"]
+    te_graph.make_graphed_callables(m, (_x("cpu"),), eager_replay=True)
+    m(_x("cpu")).sum().backward()
+    assert counters["frames"]["total"] == compiled, "dynamo compiled the function again under te_graph's watch"
 
 
 @pytest.mark.parametrize("device, eager_replay", MODES)
