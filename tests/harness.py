@@ -2,12 +2,14 @@
 
 * Modes: a setup trains ``EAGER`` (the reference), ``EAGER_REPLAY`` (te_graph's wrapper
   without graphs, ``eager_replay=True``; CPU and GPU) or ``GRAPHS`` (CUDA graphs; GPU only).
+  ``DEVICE_MODES`` parametrizes ``(device, eager_replay)`` with one graphed mode per device,
+  ``ALL_DEVICE_MODES`` with every graphed mode of every device.
 * ``Trace``: what a training run lets a user observe: outputs, input grads, parameter grads
   at every step, weights after the optimizer steps, module buffers, what hooks saw and how
   often they ran, ``main_grad``s, and the FP8 meta of Transformer Engine's modules.
 * ``assert_same``: two traces (or any nesting of lists, tuples, dicts and tensors) bitwise
-  equal, ``torch.equal`` after dtype, shape and device, naming the first difference and its
-  largest absolute difference; ``difference`` says the same without asserting.
+  equal, ``torch.equal`` after dtype, shape, device and layout, naming the first difference
+  and its largest absolute difference; ``difference`` says the same without asserting.
 * ``refused``: a call raises exactly the named exception class with the named message, and
   what it was handed (parameters, their grads and main_grads, buffers, the modules'
   forwards) and the random streams are as they were before it (``Snapshot``).
@@ -34,6 +36,10 @@ GRAPHED = {"cpu": (EAGER_REPLAY,), "cuda": (GRAPHS, EAGER_REPLAY)}
 DEVICE_MODES = [
     pytest.param("cpu", True, id="eager-replay-cpu"),
     pytest.param("cuda", False, id="graphs", marks=pytest.mark.gpu),
+]
+# (device, eager_replay) of the tests that run every graphed mode of every device (GRAPHED).
+ALL_DEVICE_MODES = DEVICE_MODES + [
+    pytest.param("cuda", True, id="eager-replay-cuda", marks=pytest.mark.gpu),
 ]
 
 
@@ -84,7 +90,8 @@ class Trace:
 # -- one comparison --------------------------------------------------------------------------------
 def _show(value: Any) -> str:
     if isinstance(value, torch.Tensor):
-        return f"tensor{tuple(value.shape)} {value.dtype}"
+        layout = "" if value.layout == torch.strided else f" {str(value.layout).removeprefix('torch.')}"
+        return f"tensor{tuple(value.shape)} {value.dtype}{layout}"
     return repr(value)
 
 
@@ -104,8 +111,9 @@ def difference(got: Any, want: Any, path: str = "", *, nan_equal: bool = False,
                reference: str = "eager") -> Optional[str]:
     """None where ``got`` equals ``want`` bitwise, else what differs first: traces field by
     field, dicts key by key, lists and tuples entry by entry (their lengths too), tensors by
-    dtype, shape, device and ``torch.equal`` (NaN equal to NaN with ``nan_equal``), None
-    only against None, anything else by ``==``. ``reference`` names ``want`` in the message."""
+    dtype, shape, device, layout and ``torch.equal`` (sparse ones by their dense values, meta
+    ones, which hold no values, by the rest; NaN equal to NaN with ``nan_equal``), None only
+    against None, anything else by ``==``. ``reference`` names ``want`` in the message."""
     if isinstance(got, Trace) or isinstance(want, Trace):
         if type(got) is not type(want):
             return f"{path}: {_show(got)}, {reference} {_show(want)}"
@@ -134,8 +142,12 @@ def difference(got: Any, want: Any, path: str = "", *, nan_equal: bool = False,
     if isinstance(got, torch.Tensor) or isinstance(want, torch.Tensor):
         if not (isinstance(got, torch.Tensor) and isinstance(want, torch.Tensor)):
             return f"{path}: {_show(got)}, {reference} {_show(want)}"
-        if got.dtype != want.dtype or got.shape != want.shape or got.device != want.device:
+        if (got.dtype, got.shape, got.device, got.layout) != (want.dtype, want.shape, want.device, want.layout):
             return f"{path}: {_show(got)} on {got.device}, {reference} {_show(want)} on {want.device}"
+        if got.is_meta:
+            return None
+        if got.layout != torch.strided:
+            got, want = got.to_dense(), want.to_dense()
         if _tensors_equal(got, want, nan_equal):
             return None
         try:

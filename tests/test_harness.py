@@ -49,6 +49,17 @@ def test_difference_names_the_first_difference_of_every_kind():
         "x differs (max abs diff 1)")
 
 
+def test_difference_takes_sparse_tensors_by_value_and_meta_tensors_by_the_rest():
+    a = torch.tensor([[0.0, 1.0], [2.0, 0.0]])
+    assert harness.difference(a.to_sparse(), a.to_sparse()) is None
+    assert harness.difference((a * 2).to_sparse(), a.to_sparse(), "x") == "x differs (max abs diff 2)"
+    assert harness.difference(a.to_sparse(), a, "x") == (
+        "x: tensor(2, 2) torch.float32 sparse_coo on cpu, eager tensor(2, 2) torch.float32 on cpu")
+    assert harness.difference(torch.empty(2, device="meta"), torch.empty(2, device="meta")) is None
+    assert harness.difference(torch.empty(3, device="meta"), torch.empty(2, device="meta"), "x") == (
+        "x: tensor(3,) torch.float32 on meta, eager tensor(2,) torch.float32 on meta")
+
+
 def test_assert_same_fails_with_what_differs():
     harness.assert_same(Trace(outputs=[torch.ones(1)]), Trace(outputs=[torch.ones(1)]))
     with pytest.raises(AssertionError, match=re.escape("graphs: outputs[0] differs (max abs diff 1)")):
@@ -87,6 +98,15 @@ def test_differential_runs_eager_first_and_each_mode_against_it():
     assert harness.eager_replay(EAGER_REPLAY) and not harness.eager_replay(GRAPHS)
     with pytest.raises(ValueError, match="is not graphed"):
         harness.eager_replay(EAGER)
+
+
+def test_device_modes_are_the_graphed_modes_of_each_device():
+    every = [(device, harness.eager_replay(mode)) for device, modes in harness.GRAPHED.items() for mode in modes]
+    assert [tuple(p.values) for p in harness.ALL_DEVICE_MODES] == every
+    assert [p.id for p in harness.ALL_DEVICE_MODES] == ["eager-replay-cpu", "graphs", "eager-replay-cuda"]
+    assert [p.id for p in harness.DEVICE_MODES] == ["eager-replay-cpu", "graphs"]
+    assert all(harness.DEVICE_MODES[i] is p for i, p in enumerate(harness.ALL_DEVICE_MODES[:2]))
+    assert [[m.name for m in p.marks] for p in harness.ALL_DEVICE_MODES] == [[], ["gpu"], ["gpu"]]
 
 
 def test_refused_needs_the_class_the_message_and_nothing_changed():

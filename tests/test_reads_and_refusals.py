@@ -1,17 +1,20 @@
-"""Setups that trained silently wrong or crashed before, each now exact or a clear refusal
-before anything changes, in graphs and eager replay alike: state the forward reads changed
+"""Setups a graph could get wrong, each bitwise equal to eager or a clear refusal that changes
+nothing (tests/harness.py), in graphs and eager replay alike: state the forward reads changed
 after graphing, torch's own checkpoint with dropout, host randomness and reseeding, a
 first-call initialisation, a loss over some of the outputs, dataclass output records,
-crashes turned into refusals, and bad option values; and the watched first warmup pass
+inputs te_graph cannot graph, and bad option values; and the watched first warmup pass
 leaves torch.compile'd code as it found it."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import enum
 import io
 import random
 import re
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -20,21 +23,15 @@ from torch import nn
 
 import rng
 import te_graph
+from tests import harness
+from tests.harness import ALL_DEVICE_MODES, Trace, refused
 
-MODES = [pytest.param("cpu", True, id="eager-replay-cpu"),
-         pytest.param("cuda", False, id="graphs", marks=pytest.mark.gpu),
-         pytest.param("cuda", True, id="eager-replay-cuda", marks=pytest.mark.gpu)]
 H = 32
 
 
 def _x(device, requires_grad=True, seed=None):
     g = torch.Generator().manual_seed(seed) if seed is not None else None
     return torch.randn(8, 2, H, generator=g).to(device).requires_grad_(requires_grad)
-
-
-def _refused(call, error, text):
-    with pytest.raises(error, match=re.escape(text)):
-        call()
 
 
 class Kind(enum.Enum):
@@ -60,29 +57,41 @@ class Reads(nn.Module):
         return y.to(self.out_dtype)
 
 
-CHANGES = {
-    "activation": (lambda m: setattr(m, "act", F.silu), "attribute 'act' of the module is"),
-    "dtype": (lambda m: setattr(m, "out_dtype", torch.float64), "attribute 'out_dtype' of the module is torch.float64"),
-    "enum": (lambda m: setattr(m, "kind", Kind.PADDING), "attribute 'kind' of the module is <Kind.PADDING: 2>"),
-    "patched-forward": (lambda m: setattr(m.lin, "forward", lambda x: x),
-                        "'lin' has an instance attribute 'forward' now, which hides what its forward read"),
-    "buffer-data": (lambda m: setattr(m.scale, "data", torch.full((H,), 2.0, device=m.scale.device)),
-                    "buffer 'scale' now lies at another address (b.data = ..., or the module was moved or cast)"),
-}
+@dataclasses.dataclass(frozen=True)
+class Change(harness.Row):
+    """A change to what ``Reads``'s forward reads, made after graphing, and the end of the
+    message that refuses the next call."""
+
+    id: str
+    apply: Callable[[Reads], Any]
+    message: str
 
 
-@pytest.mark.parametrize("change", list(CHANGES))
-@pytest.mark.parametrize("device, eager_replay", MODES)
+CHANGES = [
+    Change("activation", lambda m: setattr(m, "act", F.silu), "attribute 'act' of the module is"),
+    Change("dtype", lambda m: setattr(m, "out_dtype", torch.float64),
+           "attribute 'out_dtype' of the module is torch.float64"),
+    Change("enum", lambda m: setattr(m, "kind", Kind.PADDING), "attribute 'kind' of the module is <Kind.PADDING: 2>"),
+    Change("patched-forward", lambda m: setattr(m.lin, "forward", lambda x: x),
+           "'lin' has an instance attribute 'forward' now, which hides what its forward read"),
+    Change("buffer-data", lambda m: setattr(m.scale, "data", torch.full((H,), 2.0, device=m.scale.device)),
+           "buffer 'scale' now lies at another address (b.data = ..., or the module was moved or cast)"),
+]
+
+
+@pytest.mark.parametrize("change", CHANGES, ids=str)
+@pytest.mark.parametrize("device, eager_replay", ALL_DEVICE_MODES)
 def test_state_the_forward_reads_changed_after_graphing_is_refused(device, eager_replay, change):
     m = Reads().to(device)
     te_graph.make_graphed_callables(m, (_x(device),), eager_replay=eager_replay)
     m(_x(device)).sum().backward()
-    apply, text = CHANGES[change]
-    apply(m)
-    _refused(lambda: m(_x(device)), RuntimeError, "callable 0 (Reads): since graphing, " + text)
+    change.apply(m)
+    x = _x(device)
+    with refused(RuntimeError, re.escape("callable 0 (Reads): since graphing, " + change.message), m, x):
+        m(x)
 
 
-@pytest.mark.parametrize("device, eager_replay", MODES)
+@pytest.mark.parametrize("device, eager_replay", ALL_DEVICE_MODES)
 def test_an_attribute_the_forward_never_reads_may_change(device, eager_replay):
     m = Reads().to(device)
     te_graph.make_graphed_callables(m, (_x(device),), eager_replay=eager_replay)
@@ -91,12 +100,15 @@ def test_an_attribute_the_forward_never_reads_may_change(device, eager_replay):
     m(_x(device)).sum().backward()
 
 
-@pytest.mark.parametrize("device, eager_replay", MODES)
+@pytest.mark.parametrize("device, eager_replay", ALL_DEVICE_MODES)
 def test_saved_tensor_hooks_at_call_time_are_refused_and_a_checkpoints_are_not(device, eager_replay):
     m = Reads().to(device)
     te_graph.make_graphed_callables(m, (_x(device),), eager_replay=eager_replay)
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-        _refused(lambda: m(_x(device)), RuntimeError, "callable 0 (Reads): since graphing, saved-tensor hooks are active")
+    x = _x(device)
+    hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+    message = "callable 0 (Reads): since graphing, saved-tensor hooks are active"
+    with hooks, refused(RuntimeError, re.escape(message), m, x):
+        m(x)
     x = _x(device)
     torch.utils.checkpoint.checkpoint(m, x, use_reentrant=False).sum().backward()
     assert x.grad is not None
@@ -137,24 +149,37 @@ class ActNorm(nn.Module):
         return x + self.loc
 
 
-REFUSED_AT_GRAPHING = {
-    "python-random": (LayerDrop, "make_graphed_callables: the forward of callable 0 (LayerDrop) draws from Python's random module"),
-    "manual-seed": (Reseeds, "make_graphed_callables: the forward of callable 0 (Reseeds) calls torch.manual_seed"),
-    "first-call-init": (ActNorm, "make_graphed_callables: the forward of callable 0 (ActNorm) initialises 'the module' from its first call"),
-}
+@dataclasses.dataclass(frozen=True)
+class Unwatchable(harness.Row):
+    """A forward whose first warmup pass shows it cannot be graphed, and why."""
+
+    id: str
+    module: type
+    message: str
 
 
-@pytest.mark.parametrize("case", list(REFUSED_AT_GRAPHING))
-@pytest.mark.parametrize("device, eager_replay", MODES)
+REFUSED_AT_GRAPHING = [
+    Unwatchable("python-random", LayerDrop,
+                "make_graphed_callables: the forward of callable 0 (LayerDrop) draws from Python's random module"),
+    Unwatchable("manual-seed", Reseeds,
+                "make_graphed_callables: the forward of callable 0 (Reseeds) calls torch.manual_seed"),
+    Unwatchable("first-call-init", ActNorm,
+                "make_graphed_callables: the forward of callable 0 (ActNorm) initialises 'the module' from its "
+                "first call"),
+]
+
+
+@pytest.mark.parametrize("case", REFUSED_AT_GRAPHING, ids=str)
+@pytest.mark.parametrize("device, eager_replay", ALL_DEVICE_MODES)
 def test_host_randomness_reseeding_and_first_call_initialisation_are_refused_and_nothing_changed(device, eager_replay, case):
-    cls, text = REFUSED_AT_GRAPHING[case]
-    m = cls().to(device)
-    before = [p.detach().clone() for p in m.parameters()]
+    """The refusal leaves the module (parameters, forward) and the torch random streams as they
+    were (the harness's Snapshot), and Python's random stream too."""
+    m = case.module().to(device)
+    sample = _x(device)
     python_state = random.getstate()
-    _refused(lambda: te_graph.make_graphed_callables(m, (_x(device),), eager_replay=eager_replay), ValueError, text)
+    with refused(ValueError, re.escape(case.message), m, sample):
+        te_graph.make_graphed_callables(m, (sample,), eager_replay=eager_replay)
     assert random.getstate() == python_state, "warmup advanced the user's Python random stream"
-    assert all(torch.equal(a, b) for a, b in zip(before, m.parameters()))
-    assert "forward" not in m.__dict__
 
 
 class Entropy(nn.Module):
@@ -196,22 +221,33 @@ def test_the_watched_first_pass_leaves_compiled_code_as_it_was():
     assert counters["frames"]["total"] == compiled, "dynamo compiled the function again under te_graph's watch"
 
 
-@pytest.mark.parametrize("device, eager_replay", MODES)
+def _against_eager(m, ref, step_of, steps):
+    """``step_of(module, step)`` (returns the output and input to record) on the graphed module
+    and on its eager copy, a step each in turn; the two traces bitwise equal: outputs, input
+    grads and every parameter's grad at every step."""
+    got, want = Trace(), Trace()
+    for step in range(steps):
+        for module, trace in ((m, got), (ref, want)):
+            trace.microbatch(*step_of(module, step))
+            trace.step(module.parameters())
+    harness.assert_same(got, want, "the graphed module against its eager copy")
+
+
+@pytest.mark.parametrize("device, eager_replay", ALL_DEVICE_MODES)
 def test_a_loss_over_some_outputs_trains_exactly(device, eager_replay):
     torch.manual_seed(0)
     m = Entropy().to(device)
     ref = copy.deepcopy(m)
     te_graph.make_graphed_callables(m, (_x(device),), eager_replay=eager_replay)
-    for step in range(3):
-        xa, xb = _x(device, seed=step), _x(device, seed=step)
+
+    def step_of(module, step):
+        x = _x(device, seed=step)
         torch.manual_seed(10 + step)
-        y, _ = m(xa)
+        y, _ = module(x)
         (y * y).sum().backward()
-        torch.manual_seed(10 + step)
-        y2, _ = ref(xb)
-        (y2 * y2).sum().backward()
-        assert torch.equal(y, y2) and torch.equal(xa.grad, xb.grad), f"step {step}"
-        assert torch.equal(m.lin.weight.grad, ref.lin.weight.grad) and torch.equal(m.lin.bias.grad, ref.lin.bias.grad)
+        return y, x
+
+    _against_eager(m, ref, step_of, 3)
 
 
 @dataclasses.dataclass
@@ -231,19 +267,20 @@ class Record(nn.Module):
         return Out(h, (h * h).mean())
 
 
-@pytest.mark.parametrize("device, eager_replay", MODES)
+@pytest.mark.parametrize("device, eager_replay", ALL_DEVICE_MODES)
 def test_outputs_in_a_dataclass_record_are_fresh_every_call_and_train(device, eager_replay):
     m = Record().to(device)
     ref = copy.deepcopy(m)
     te_graph.make_graphed_callables(m, (_x(device),), eager_replay=eager_replay)
-    for step in range(2):
-        xa, xb = _x(device, seed=step), _x(device, seed=step)
-        out, want = m(xa), ref(xb)
+
+    def step_of(module, step):
+        x = _x(device, seed=step)
+        out = module(x)
         assert isinstance(out, Out) and out.note == "stats"
         (out.hidden.sum() + out.aux).backward()
-        (want.hidden.sum() + want.aux).backward()
-        assert torch.equal(out.aux, want.aux) and torch.equal(xa.grad, xb.grad)
-        assert torch.equal(m.lin.weight.grad, ref.lin.weight.grad)
+        return torch.cat([out.hidden.flatten(), out.aux.reshape(1)]), x
+
+    _against_eager(m, ref, step_of, 2)
 
 
 class CheckpointedDropout(nn.Module):
@@ -263,25 +300,24 @@ class CheckpointedDropout(nn.Module):
 
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
-@pytest.mark.parametrize("device, eager_replay", MODES)
+@pytest.mark.parametrize("device, eager_replay", ALL_DEVICE_MODES)
 def test_torchs_own_checkpoint_with_dropout_recomputes_the_forwards_masks(device, eager_replay, reentrant):
     torch.manual_seed(0)
     m = CheckpointedDropout(reentrant).to(device)
     ref = copy.deepcopy(m)
     te_graph.make_graphed_callables(m, (_x(device),), eager_replay=eager_replay)
-    for step in range(3):
-        xa, xb = _x(device, seed=step), _x(device, seed=step)
+
+    def step_of(module, step):
+        x = _x(device, seed=step)
         torch.manual_seed(20 + step)
-        y = m(xa)
+        y = module(x)
         (y * y).sum().backward()
-        torch.manual_seed(20 + step)
-        y2 = ref(xb)
-        (y2 * y2).sum().backward()
-        assert torch.equal(y, y2) and torch.equal(xa.grad, xb.grad), f"step {step}"
-        assert torch.equal(m.lin.weight.grad, ref.lin.weight.grad), f"step {step}"
+        return y, x
+
+    _against_eager(m, ref, step_of, 3)
 
 
-@pytest.mark.parametrize("device, eager_replay", MODES)
+@pytest.mark.parametrize("device, eager_replay", ALL_DEVICE_MODES)
 def test_a_graphed_module_saved_whole_loads_as_an_eager_one(device, eager_replay):
     m = nn.Sequential(nn.Linear(H, H)).to(device)
     te_graph.make_graphed_callables(m, (_x(device),), eager_replay=eager_replay)
@@ -290,52 +326,72 @@ def test_a_graphed_module_saved_whole_loads_as_an_eager_one(device, eager_replay
     buffer.seek(0)
     loaded = torch.load(buffer, weights_only=False)
     x = _x(device, requires_grad=False)
-    assert torch.equal(loaded(x), m(x))
+    harness.assert_same(loaded(x), m(x), "the loaded module against the graphed one")
     te_graph.make_graphed_callables(loaded, (_x(device),), eager_replay=eager_replay)  # graphable again
 
 
-def test_clear_refusals_before_anything_changes():
-    lin = nn.Linear(4, 4)
-    with torch.inference_mode():
-        _refused(lambda: te_graph.make_graphed_callables(lin, (torch.randn(2, 4),), eager_replay=True),
-                 RuntimeError, "make_graphed_callables: called under torch.inference_mode()")
-    _refused(lambda: te_graph.make_graphed_callables(lin, (torch.randn(2, 4).to_sparse(),), eager_replay=True),
-             ValueError, "make_graphed_callables: a sample is a torch.sparse_coo tensor")
-    _refused(lambda: te_graph.make_graphed_callables(nn.Linear(4, 4, device="meta"), (torch.randn(2, 4),),
-                                                     eager_replay=True),
-             ValueError, "make_graphed_callables: a parameter is on the meta device")
-    _refused(lambda: te_graph.make_graphed_callables(nn.Embedding(10, 4, sparse=True), (torch.tensor([1, 2]),),
-                                                     eager_replay=True),
-             ValueError, "make_graphed_callables: the backward of callable 0 (Embedding) gives a parameter (shape "
-                         "(10, 4)) a torch.sparse_coo gradient")
+class InplaceInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.drop = nn.Dropout(0.1, inplace=True)
+        self.lin = nn.Linear(4, 4)
 
-    class InplaceInput(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.drop = nn.Dropout(0.1, inplace=True)
-            self.lin = nn.Linear(4, 4)
+    def forward(self, x):
+        return self.lin(self.drop(x))
 
-        def forward(self, x):
-            return self.lin(self.drop(x))
 
-    m = InplaceInput()
-    _refused(lambda: te_graph.make_graphed_callables(m, (torch.randn(2, 4, requires_grad=True),), eager_replay=True),
-             ValueError, "make_graphed_callables: the forward of callable 0 (InplaceInput) updates an input that "
-                         "requires grad in place")
-    assert "forward" not in m.__dict__
+@dataclasses.dataclass(frozen=True)
+class Unsupported(harness.Row):
+    """A module and samples make_graphed_callables refuses (under ``context``), with the
+    exception class and message."""
+
+    id: str
+    build: Callable[[], tuple]  # () -> (module, samples)
+    error: type
+    message: str
+    context: Callable = contextlib.nullcontext
+
+
+UNSUPPORTED = [
+    Unsupported("inference-mode", lambda: (nn.Linear(4, 4), (torch.randn(2, 4),)), RuntimeError,
+                "make_graphed_callables: called under torch.inference_mode()", torch.inference_mode),
+    Unsupported("sparse-sample", lambda: (nn.Linear(4, 4), (torch.randn(2, 4).to_sparse(),)), ValueError,
+                "make_graphed_callables: a sample is a torch.sparse_coo tensor"),
+    Unsupported("meta-parameter", lambda: (nn.Linear(4, 4, device="meta"), (torch.randn(2, 4),)), ValueError,
+                "make_graphed_callables: a parameter is on the meta device"),
+    Unsupported("sparse-gradient", lambda: (nn.Embedding(10, 4, sparse=True), (torch.tensor([1, 2]),)), ValueError,
+                "make_graphed_callables: the backward of callable 0 (Embedding) gives a parameter (shape (10, 4)) a "
+                "torch.sparse_coo gradient"),
+    Unsupported("inplace-input", lambda: (InplaceInput(), (torch.randn(2, 4, requires_grad=True),)), ValueError,
+                "make_graphed_callables: the forward of callable 0 (InplaceInput) updates an input that requires "
+                "grad in place"),
+]
+
+
+@pytest.mark.parametrize("case", UNSUPPORTED, ids=str)
+def test_clear_refusals_before_anything_changes(case):
+    """Refused with the exact class and message; the module (its forward included) and the
+    random streams as they were."""
+    module, samples = case.build()
+    with case.context(), refused(case.error, re.escape(case.message), module, *samples):
+        te_graph.make_graphed_callables(module, samples, eager_replay=True)
 
 
 @pytest.mark.parametrize("value", ["false", "True", 1, 0.0])
 def test_option_values_of_the_wrong_type_are_refused(value):
-    _refused(lambda: te_graph.make_graphed_callables(nn.Linear(4, 4), (torch.randn(2, 4),), eager_replay=value),
-             TypeError, f"make_graphed_callables: eager_replay must be True or False, got {value!r}")
+    lin, sample = nn.Linear(4, 4), torch.randn(2, 4)
+    with refused(TypeError, re.escape(f"make_graphed_callables: eager_replay must be True or False, got {value!r}"),
+                 lin, sample):
+        te_graph.make_graphed_callables(lin, (sample,), eager_replay=value)
 
 
 @pytest.mark.parametrize("value", ["2", "maybe", "onn"])
 def test_environment_flags_with_odd_values_are_refused(monkeypatch, value):
     monkeypatch.setenv("TE_GRAPH_EAGER_REPLAY", value)
-    _refused(lambda: te_graph.make_graphed_callables(nn.Linear(4, 4), (torch.randn(2, 4),)),
-             ValueError, f"environment variable TE_GRAPH_EAGER_REPLAY={value!r} is not a boolean")
+    lin, sample = nn.Linear(4, 4), torch.randn(2, 4)
+    with refused(ValueError, re.escape(f"environment variable TE_GRAPH_EAGER_REPLAY={value!r} is not a boolean"),
+                 lin, sample):
+        te_graph.make_graphed_callables(lin, (sample,))
 
 
 @pytest.mark.parametrize("value", ["on", "YES", "1", "true"])

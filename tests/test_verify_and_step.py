@@ -20,10 +20,10 @@ import rng
 import te_graph
 from te_graph.replay.graphed import GraphedCallable
 from te_graph.verify.callable import VerifiedCallable
+from tests import harness
 from tests.graph_helpers import make_blocks, weighted_loss
+from tests.harness import DEVICE_MODES, Trace, refused
 
-MODES = [pytest.param("cpu", True, id="eager-replay-cpu"),
-         pytest.param("cuda", False, id="graphs", marks=pytest.mark.gpu)]
 SHAPE = (16, 2, 64)
 
 
@@ -33,8 +33,9 @@ def _batch(device, seed):
 
 
 def _train(layers, steps, device, seed=3):
-    """Steps of two microbatches through ``layers``; every output, input grad and weight grad."""
-    seen = []
+    """Steps of two microbatches through ``layers``: the trace of every output, input grad and
+    weight grad."""
+    trace = Trace()
     params = [p for layer in layers for p in layer.parameters()]
     rng.model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)
@@ -47,22 +48,20 @@ def _train(layers, steps, device, seed=3):
             for layer in layers:
                 y = layer(y)[0]
             weighted_loss(y).backward()
-            seen += [y.detach().clone(), x.grad.clone()]
-        seen += [p.grad.clone() for p in params]
-    return seen
+            trace.microbatch(y, x)
+        trace.step(params)
+    return trace
 
 
 @pytest.mark.parametrize("recompute", [False, True], ids=["plain", "recompute"])
-@pytest.mark.parametrize("device, eager_replay", MODES)
+@pytest.mark.parametrize("device, eager_replay", DEVICE_MODES)
 def test_the_verifier_finds_nothing_on_equal_setups_and_leaves_no_trace(device, eager_replay, recompute):
     blocks = make_blocks(n=2, device=device, dropout=0.1, recompute=recompute)
     reference = copy.deepcopy(blocks)
     sample = tuple((_batch(device, 0).requires_grad_(True),) for _ in blocks)
     graphed = te_graph.make_graphed_callables(tuple(blocks), sample, eager_replay=eager_replay, verify=True)
     assert all(type(b.forward) is VerifiedCallable for b in graphed)
-    got = _train(graphed, 3, device)
-    want = _train(reference, 3, device)
-    assert all(torch.equal(a, b) for a, b in zip(got, want)), "the verified run differs from eager"
+    harness.assert_same(_train(graphed, 3, device), _train(reference, 3, device), "the verified run against eager")
     te_graph.verify(graphed, first=0)
     assert all(type(b.forward) is GraphedCallable for b in graphed), "off: the plain class again"
 
@@ -76,7 +75,7 @@ class Scaled(nn.Module):
         return self.lin(x) * scale
 
 
-@pytest.mark.parametrize("device, eager_replay", MODES)
+@pytest.mark.parametrize("device, eager_replay", DEVICE_MODES)
 def test_the_verifier_reports_what_a_switched_off_guard_lets_through(device, eager_replay, monkeypatch):
     """The constant keyword check switched off: the graph (and eager replay, on its static
     buffers) keep the constant of capture, the eager shadow takes the call's."""
@@ -88,10 +87,11 @@ def test_the_verifier_reports_what_a_switched_off_guard_lets_through(device, eag
     layout = type(m.forward._single.layout)
     flatten = layout.flatten
     monkeypatch.setattr(layout, "flatten", lambda self, args, kwargs: flatten(self, args, {**kwargs, "scale": 2.0}))
-    with pytest.raises(RuntimeError, match=re.escape(
+    x = torch.randn(4, 8, device=device, requires_grad=True)
+    with refused(RuntimeError, re.escape(
             "callable 0 (Scaled): te_graph's verifier ran this call again eagerly and its outputs differ from the "
-            "graph's:\n  output 0: 32 of 32 elements differ at [0, 0]")):
-        m(torch.randn(4, 8, device=device, requires_grad=True), scale=3.0)
+            "graph's:\n  output 0: 32 of 32 elements differ at [0, 0]"), m, x):
+        m(x, scale=3.0)
 
 
 class Gated(nn.Module):
@@ -138,20 +138,29 @@ def test_the_verifier_reports_each_silent_class_with_its_guard_switched_off(chan
     if edit is not None:
         edit(m)
     scope = torch.autocast("cuda", dtype=torch.bfloat16) if context else contextlib.nullcontext()
-    with scope, pytest.raises(RuntimeError, match=re.escape(
+    x = torch.randn(4, 8, device="cuda", requires_grad=True)
+    with scope, refused(RuntimeError, re.escape(
             "callable 0 (Gated): te_graph's verifier ran this call again eagerly and its outputs differ from the "
-            "graph's:\n  output 0")):
-        m(torch.randn(4, 8, device="cuda", requires_grad=True))
+            "graph's:\n  output 0"), m, x):
+        m(x)
 
 
 def test_verify_options_are_checked():
-    with pytest.raises(TypeError, match=re.escape("te_graph.Verify: first must be an int >= 0, got -1.")):
+    with refused(TypeError, re.escape("te_graph.Verify: first must be an int >= 0, got -1.")):
         te_graph.Verify(first=-1)
-    with pytest.raises(ValueError, match=re.escape("te_graph.Verify: on_mismatch='ignore'; use one of 'raise', "
-                                                   "'warn', 'eager'.")):
+    with refused(ValueError, re.escape("te_graph.Verify: on_mismatch='ignore'; use one of 'raise', 'warn', 'eager'.")):
         te_graph.Verify(on_mismatch="ignore")
-    with pytest.raises(TypeError, match=re.escape("make_graphed_callables: verify must be True/False, an int")):
-        te_graph.make_graphed_callables(nn.Linear(4, 4), (torch.randn(2, 4),), eager_replay=True, verify="yes")
+    lin, sample = nn.Linear(4, 4), torch.randn(2, 4)
+    with refused(TypeError, re.escape("make_graphed_callables: verify must be True/False, an int"), lin, sample):
+        te_graph.make_graphed_callables(lin, (sample,), eager_replay=True, verify="yes")
+
+
+def _trained(modules, losses=()):
+    """The losses of a run and what it left in ``modules``: every weight, grad and buffer."""
+    trace = Trace(outputs=list(losses))
+    trace.step(modules.parameters())
+    trace.end(modules.parameters(), [modules])
+    return trace
 
 
 def _step_fn(layers, optimizer):
@@ -171,7 +180,7 @@ def _step_fn(layers, optimizer):
 
 
 @pytest.mark.parametrize("recompute", [False, True], ids=["plain", "recompute"])
-@pytest.mark.parametrize("device, eager_replay", MODES)
+@pytest.mark.parametrize("device, eager_replay", DEVICE_MODES)
 def test_a_whole_step_graph_equals_the_eager_step_bitwise(device, eager_replay, recompute):
     blocks = nn.ModuleList(make_blocks(n=2, device=device, dropout=0.1, recompute=recompute))
     reference = copy.deepcopy(blocks)
@@ -184,7 +193,7 @@ def test_a_whole_step_graph_equals_the_eager_step_bitwise(device, eager_replay, 
         _step_fn(layers, optimizer)(*first)
     step = te_graph.make_graphed_step(_step_fn(blocks, opt), first, modules=blocks, optimizer=opt,
                                       eager_replay=eager_replay, verify=2)
-    assert all(torch.equal(a, b) for a, b in zip(blocks.parameters(), reference.parameters())), "graphing left a trace"
+    harness.assert_same(_trained(blocks), _trained(reference), "graphing left a trace")
     batches = [(_batch(device, 10 + i), _batch(device, 20 + i)) for i in range(4)]
     rng.model_parallel_cuda_manual_seed(9)
     torch.manual_seed(9)
@@ -193,12 +202,10 @@ def test_a_whole_step_graph_equals_the_eager_step_bitwise(device, eager_replay, 
     torch.manual_seed(9)
     eager = _step_fn(reference, opt_ref)
     want = [eager(*b) for b in batches]
-    assert all(torch.equal(a, b) for a, b in zip(got, want)), "losses differ"
-    assert all(torch.equal(a, b) for a, b in zip(blocks.parameters(), reference.parameters())), "weights differ"
-    assert all(torch.equal(a.grad, b.grad) for a, b in zip(blocks.parameters(), reference.parameters()))
+    harness.assert_same(_trained(blocks, got), _trained(reference, want), "the graphed steps against eager")
     opt.param_groups[0]["lr"] = 2e-3
-    with pytest.raises(RuntimeError, match=re.escape("the graphed step: since graphing, the optimizer's "
-                                                     "hyperparameters")):
+    with refused(RuntimeError, re.escape("the graphed step: since graphing, the optimizer's hyperparameters"),
+                 blocks, *batches[0]):
         step(*batches[0])
     step.reset()
 
@@ -207,10 +214,10 @@ def test_a_whole_step_graph_refuses_an_optimizer_without_state_and_bad_arguments
     blocks = nn.ModuleList(make_blocks(n=1, device="cpu"))
     opt = torch.optim.SGD(blocks.parameters(), lr=1e-3, momentum=0.9)
     batch = (_batch("cpu", 1), _batch("cpu", 2))
-    with pytest.raises(ValueError, match=re.escape("make_graphed_step: the optimizer has no state yet for some "
-                                                   "parameters")):
+    with refused(ValueError, re.escape("make_graphed_step: the optimizer has no state yet for some parameters"),
+                 blocks, *batch):
         te_graph.make_graphed_step(_step_fn(blocks, opt), batch, modules=blocks, optimizer=opt, eager_replay=True)
-    with pytest.raises(TypeError, match=re.escape("make_graphed_step: step_fn must be callable")):
+    with refused(TypeError, re.escape("make_graphed_step: step_fn must be callable"), blocks, *batch):
         te_graph.make_graphed_step(3, batch, modules=blocks, eager_replay=True)
-    with pytest.raises(TypeError, match=re.escape("make_graphed_step: modules must be the nn.Module the step trains")):
+    with refused(TypeError, re.escape("make_graphed_step: modules must be the nn.Module the step trains"), *batch):
         te_graph.make_graphed_step(lambda *b: None, batch, modules=[3], eager_replay=True)
