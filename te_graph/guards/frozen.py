@@ -219,8 +219,10 @@ class FrozenModule:
         classes; and the other objects, compared by identity alone."""
         slots = self._slots + self._object_slots
         values = self._values + self._objects
-        safe = [i for i, v in enumerate(values) if i < len(self._slots) or _equal_is_identity(v)]
-        rest = sorted(set(range(len(values))) - set(safe))
+        safe: list[int] = []
+        rest: list[int] = []
+        for i, value in enumerate(values):
+            (safe if i < len(self._slots) or _equal_is_identity(value) else rest).append(i)
         self._safe_tables = tuple(slots[i].table for i in safe)
         self._safe_keys = tuple(slots[i].key for i in safe)
         self._ident_tables = tuple(slots[i].table for i in rest)
