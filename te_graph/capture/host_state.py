@@ -10,8 +10,8 @@ was, and a graph replays device work only, so what it would bake in on the host 
   ``torch.random.fork_rng``), or leaves a live device stream with another seed or an
   offset behind where it started, is refused: a graph reads the streams' host state at
   each replay and cannot replay a reset.
-* **Random draws from streams te_graph does not know** (device only): a ``generator=`` that
-  is neither the default generator nor a stream of the RNG tracker, or the default
+* **Random draws from streams te_graph does not know**: a ``generator=`` that is neither
+  the default generator nor a stream of the RNG tracker, or the default
   generator swapped to another tracker's stream (a tracker instance other than
   ``get_rng_state_tracker``): refused, naming the fix.
 * **Tensors outside the modules that the forward updates in place** (a process-global
@@ -51,6 +51,7 @@ class HostState:
         self._cpu = torch.get_rng_state() if device_type != "cpu" else None
         self._outside: list[tuple[torch.Tensor, torch.Tensor]] = []  # (tensor, its value before warmup)
         self._outside_ids: set[int] = set()
+        self._generators: list[tuple[torch.Generator, torch.Tensor]] = []  # (a generator of the forward's own, its state)
 
     @contextlib.contextmanager
     def watching(self, name: str, tracker: Any, known: Sequence[torch.Tensor]) -> Iterator[None]:
@@ -60,9 +61,8 @@ class HostState:
         before = self._host_streams()
         streams = self._device_streams(tracker)
         seeding: list[str] = []
-        effects = _Effects(self, known, streams) if self.device_type == "cuda" else None
-        with _seeding_noted(seeding), compat.compiled_code_run_eagerly(), \
-                effects if effects is not None else contextlib.nullcontext():
+        effects = _Effects(self, known, streams)
+        with _seeding_noted(seeding), compat.compiled_code_run_eagerly(), effects:
             yield
         if seeding:
             raise ValueError(_RESEEDS.format(name=name, what=f"calls {seeding[0]}"))
@@ -80,7 +80,7 @@ class HostState:
                     "random shape). Draw on the device from the default generator or a tracker stream, or make "
                     "the decision outside the graphed callable."
                 )
-        if effects is not None and effects.refusal is not None:
+        if effects.refusal is not None:
             raise ValueError(effects.refusal.format(name=name))
 
     def _host_streams(self) -> tuple:
@@ -105,8 +105,16 @@ class HostState:
             self._outside_ids.add(id(t))
             self._outside.append((t, t.detach().clone()))
 
+    def note_generator(self, generator: torch.Generator) -> None:
+        """The forward is about to draw from ``generator``, a stream of its own: keep its state."""
+        if not any(generator is g for g, _ in self._generators):
+            self._generators.append((generator, generator.get_state()))
+
     def restore(self) -> None:
-        """Put the host streams and the outside tensors back as they were before warmup."""
+        """Put the host streams, the forward's own generators and the outside tensors back as
+        they were before warmup."""
+        for generator, state in self._generators:
+            generator.set_state(state)
         random.setstate(self._python)
         numpy = sys.modules.get("numpy")
         if self._numpy is not None and numpy is not None:
@@ -168,6 +176,7 @@ class _Effects(compat.TorchDispatchMode):
     def __init__(self, owner: HostState, known: Sequence[torch.Tensor], streams: dict):
         super().__init__()
         self.owner = owner
+        self.device_type = owner.device_type
         self.storages = {_storage(t) for t in known if isinstance(t, torch.Tensor)}
         self.generators = [g for g, _ in streams.values()]
         self.seeds = {seed for _, (seed, _) in streams.values()}
@@ -180,7 +189,7 @@ class _Effects(compat.TorchDispatchMode):
             self._check_draw(kwargs.get("generator"))
         for argument, value in zip(schema.arguments, args):
             if (argument.alias_info is not None and argument.alias_info.is_write and isinstance(value, torch.Tensor)
-                    and value.device.type == "cuda" and _storage(value) not in self.storages):
+                    and value.device.type == self.device_type and _storage(value) not in self.storages):
                 self.owner.note_outside(value)
         out = func(*args, **kwargs)
         for t in out if isinstance(out, (tuple, list)) else (out,):
@@ -190,7 +199,10 @@ class _Effects(compat.TorchDispatchMode):
 
     def _check_draw(self, generator: Optional[torch.Generator]) -> None:
         if generator is not None:
-            if generator.device.type == "cuda" and not any(generator is g for g in self.generators):
+            # On the CPU (eager replay) torch's default CPU generator is the live stream.
+            own = generator is torch.default_generator and self.device_type == "cpu"
+            if not own and not any(generator is g for g in self.generators):
+                self.owner.note_generator(generator)
                 self.refusal = (
                     "make_graphed_callables: the forward of {name} draws from a torch.Generator of its own "
                     "(generator=...), neither the default generator nor a stream of the RNG tracker; a graph "
@@ -198,6 +210,8 @@ class _Effects(compat.TorchDispatchMode):
                     "(tracker.add(name, seed) and tracker.fork(name)) and pass that tracker as "
                     "get_rng_state_tracker=."
                 )
+            return
+        if self.device_type != "cuda":
             return
         seed = torch.cuda.default_generators[torch.cuda.current_device()].initial_seed()
         if seed not in self.seeds:

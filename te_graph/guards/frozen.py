@@ -72,6 +72,25 @@ class _Slot:
         self.table, self.key, self.what = table, key, what
 
 
+class _ScriptAttributes:
+    """A TorchScript module's attributes as a table: they live in its C++ object, not in
+    its ``__dict__`` (its ``training`` flag, for one), so they are read through ``getattr``."""
+
+    __slots__ = ("module",)
+
+    def __init__(self, module: torch.jit.ScriptModule):
+        self.module = module
+
+    def __getitem__(self, key: str) -> Any:
+        try:
+            return getattr(self.module, key)
+        except AttributeError:
+            raise KeyError(key) from None
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return getattr(self.module, key, default)
+
+
 class FrozenModule:
     """The fingerprint of one graphed module: what its graphs read of it."""
 
@@ -113,7 +132,7 @@ class FrozenModule:
                     object_slots.append(_Slot(table, key, f"{kind} {_qualified(prefix, key)!r}"))
                     objects.append(value)
             attributes = sub.__dict__
-            slots.append(_Slot(attributes, "training", where))
+            slots.append(_Slot(_ScriptAttributes(sub) if script else attributes, "training", where))
             values.append(sub.training)
             if id(sub) in reads.recorded:
                 recorded.append(sub)
