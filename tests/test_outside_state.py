@@ -182,3 +182,52 @@ def test_an_error_of_the_forward_on_its_sample_is_told_as_the_forwards():
     assert info.value.__notes__ == [
         "(te_graph: raised by the forward of callable 0 (Linear) on its sample inputs, in the first warmup pass of "
         "make_graphed_callables; the same call would raise eagerly)"]
+
+
+class ForksItsOwnTracker(nn.Module):
+    """Dropout under a tracker of its own (Transformer Engine's examples build one)."""
+
+    def __init__(self, tracker):
+        super().__init__()
+        self.lin = nn.Linear(H, H)
+        self.tracker = tracker
+
+    def forward(self, x):
+        with self.tracker.fork("own"):
+            return F.dropout(self.lin(x), 0.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("eager_replay", [False, True], ids=["graphs", "eager-replay"])
+def test_a_tracker_not_passed_is_refused_and_passed_it_trains_exactly(eager_replay):
+    import rng
+
+    def build():
+        torch.manual_seed(0)
+        tracker = rng.CudaRNGStatesTracker()
+        tracker.add("own", 1234)
+        return ForksItsOwnTracker(tracker).cuda()
+
+    m, x = build(), _x("cuda", 0)
+    own = m.tracker.get_states()["own"].get_state()
+    message = ("make_graphed_callables: the forward of callable 0 (ForksItsOwnTracker) draws from a random stream "
+               "that is neither the default generator nor a stream of the RNG tracker given (or found) for this call")
+    with refused(ValueError, re.escape(message), m, x):
+        te_graph.make_graphed_callables(m, (x,), eager_replay=eager_replay)
+    assert torch.equal(m.tracker.get_states()["own"].get_state(), own), "warmup advanced the tracker's own stream"
+
+    def run(graphed: bool) -> Trace:
+        m = build()
+        if graphed:
+            te_graph.make_graphed_callables(m, (_x("cuda", 99),), eager_replay=eager_replay,
+                                            get_rng_state_tracker=lambda: m.tracker)
+        trace = Trace()
+        for step in range(3):
+            x = _x("cuda", step)
+            y = m(x)
+            (y * y).sum().backward()
+            trace.microbatch(y, x)
+            trace.step(m.parameters())
+        return trace
+
+    harness.assert_same(run(True), run(False), "the tracker passed as get_rng_state_tracker")

@@ -213,8 +213,12 @@ class _Effects(compat.TorchDispatchMode):
             return
         if self.device_type != "cuda":
             return
-        seed = torch.cuda.default_generators[torch.cuda.current_device()].initial_seed()
-        if seed not in self.seeds:
+        default = torch.cuda.default_generators[torch.cuda.current_device()]
+        if default.initial_seed() not in self.seeds:
+            if hasattr(default, "graphsafe_get_state"):
+                # The stream a tracker of its own swapped in (graph-safe: a handle on that
+                # very state), kept so that the refusal leaves it where it was.
+                self.owner.note_generator(default.graphsafe_get_state())
             self.refusal = (
                 "make_graphed_callables: the forward of {name} draws from a random stream that is neither the "
                 "default generator nor a stream of the RNG tracker given (or found) for this call: a tracker of "
