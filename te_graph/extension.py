@@ -91,6 +91,13 @@ class Extension:
     name = "extension"
     precision: Optional[Precision] = None
 
+    @property
+    def packages(self) -> frozenset:
+        """The framework's top-level Python packages (by default its ``name``): their code
+        and objects keep their own per-call state, so the guards learnt from reads leave
+        their globals and plain objects alone."""
+        return frozenset({self.name})
+
     # -- how a module is entered and replayed
     def capture_entry(self, module: torch.nn.Module) -> Optional[Callable]:
         """The function graphing calls for ``module`` instead of its ``forward``."""
@@ -191,8 +198,14 @@ class _Seam:
     def __init__(self) -> None:
         self.precision: Precision = NO_PRECISION
         self._answering: dict[str, tuple] = {}
+        self._packages: frozenset = frozenset()
+
+    def packages(self) -> frozenset:
+        """Every registered framework's packages (``Extension.packages``)."""
+        return self._packages
 
     def refresh(self) -> None:
+        self._packages = frozenset().union(*(e.packages for e in _EXTENSIONS))
         self._answering = {
             name: tuple(getattr(e, name) for e in _EXTENSIONS if getattr(type(e), name) is not getattr(Extension, name))
             for name in _QUERIES

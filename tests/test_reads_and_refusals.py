@@ -39,8 +39,22 @@ class Kind(enum.Enum):
     PADDING = 2
 
 
+@dataclasses.dataclass
+class Options:
+    """A plain config object the module holds (Hugging Face style)."""
+
+    shift: float = 0.0
+    calls: int = 0
+    warned: bool = False
+
+
+DOUBLED = False  # a module global the forward reads
+CALLS = 0  # a module global a forward counts its calls in
+
+
 class Reads(nn.Module):
-    """A forward that reads an activation, a dtype, an enum and a buffer from its module."""
+    """A forward that reads an activation, a dtype, an enum, a buffer, a dict and a list of
+    options from its module, a field of a config object it holds, and a module global."""
 
     def __init__(self):
         super().__init__()
@@ -49,12 +63,20 @@ class Reads(nn.Module):
         self.out_dtype = torch.float32
         self.kind = Kind.CAUSAL
         self.register_buffer("scale", torch.ones(H))
+        self.opts = {"gain": 1.0}
+        self.taps = [1.0]
+        self.config = Options()
 
     def forward(self, x):
-        y = self.act(self.lin(x)) * self.scale
-        if self.kind is Kind.PADDING:
+        y = self.act(self.lin(x)) * self.scale * self.opts["gain"] * self.taps[0] + self.config.shift
+        if self.kind is Kind.PADDING or DOUBLED:
             y = y * 2
         return y.to(self.out_dtype)
+
+
+def _set_doubled(value: bool) -> None:
+    global DOUBLED
+    DOUBLED = value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +87,7 @@ class Change(harness.Row):
     id: str
     apply: Callable[[Reads], Any]
     message: str
+    undo: Callable[[], Any] = lambda: None  # what the change did outside the module
 
 
 CHANGES = [
@@ -76,6 +99,14 @@ CHANGES = [
            "'lin' has an instance attribute 'forward' now, which hides what its forward read"),
     Change("buffer-data", lambda m: setattr(m.scale, "data", torch.full((H,), 2.0, device=m.scale.device)),
            "buffer 'scale' now lies at another address (b.data = ..., or the module was moved or cast)"),
+    Change("dict-entry", lambda m: m.opts.update(gain=2.0),
+           "attribute 'opts' of the module is {'gain': 2.0}, but was {'gain': 1.0} at capture"),
+    Change("list-entry", lambda m: m.taps.__setitem__(0, 2.0),
+           "attribute 'taps' of the module is [2.0], but was [1.0] at capture"),
+    Change("config-field", lambda m: setattr(m.config, "shift", 0.5),
+           "attribute 'shift' of the Options object it reads is 0.5, but was 0.0 at capture"),
+    Change("module-global", lambda m: _set_doubled(True),
+           f"global 'DOUBLED' of module {__name__} is True, but was False at capture", lambda: _set_doubled(False)),
 ]
 
 
@@ -87,8 +118,11 @@ def test_state_the_forward_reads_changed_after_graphing_is_refused(device, eager
     m(_x(device)).sum().backward()
     change.apply(m)
     x = _x(device)
-    with refused(RuntimeError, re.escape("callable 0 (Reads): since graphing, " + change.message), m, x):
-        m(x)
+    try:
+        with refused(RuntimeError, re.escape("callable 0 (Reads): since graphing, " + change.message), m, x):
+            m(x)
+    finally:
+        change.undo()
 
 
 @pytest.mark.parametrize("device, eager_replay", ALL_DEVICE_MODES)
@@ -97,6 +131,7 @@ def test_an_attribute_the_forward_never_reads_may_change(device, eager_replay):
     te_graph.make_graphed_callables(m, (_x(device),), eager_replay=eager_replay)
     m.note = "logged elsewhere"
     m.lin.tag = 3.5
+    m.config.unread = "changed"
     m(_x(device)).sum().backward()
 
 
@@ -112,6 +147,41 @@ def test_saved_tensor_hooks_at_call_time_are_refused_and_a_checkpoints_are_not(d
     x = _x(device)
     torch.utils.checkpoint.checkpoint(m, x, use_reentrant=False).sum().backward()
     assert x.grad is not None
+
+
+class Counts(Reads):
+    """Counts its calls in a module global or a field of its config; or sets a flag once."""
+
+    def __init__(self, where):
+        super().__init__()
+        self.where = where
+
+    def forward(self, x):
+        global CALLS
+        if self.where == "global":
+            CALLS += 1
+        elif self.where == "config":
+            self.config.calls += 1
+        elif not self.config.warned:
+            self.config.warned = True  # a warn-once flag
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("device, eager_replay", ALL_DEVICE_MODES)
+def test_a_counter_outside_the_module_is_refused_and_a_set_once_flag_is_put_back(device, eager_replay):
+    for where, what in (("global", f"global 'CALLS' of module {__name__}"),
+                        ("config", "attribute 'calls' of the Options object it reads")):
+        m, x = Counts(where).to(device), _x(device)
+        before = (CALLS, m.config.calls)
+        message = re.escape(f"make_graphed_callables: the forward of callable 0 (Counts) changes {what} at every "
+                            "call (1 after the first warmup pass, ") + r"\d+ after the last\)"
+        with refused(ValueError, message, m, x):
+            te_graph.make_graphed_callables(m, (x,), eager_replay=eager_replay)
+        assert (CALLS, m.config.calls) == before, "warmup's counts were left behind"
+    m = Counts("flag").to(device)
+    te_graph.make_graphed_callables(m, (_x(device),), eager_replay=eager_replay)
+    assert m.config.warned is False, "warmup's first call set the flag for the user's first call"
+    m(_x(device)).sum().backward()
 
 
 class LayerDrop(nn.Module):

@@ -102,6 +102,8 @@ def prepare_graphs(spec_sets: Sequence[Sequence[GraphSpec]], steps: Sequence[Ste
                     warmups = [warm_up(shape_specs, steps, options, session) for shape_specs in spec_sets]
                 if options.post_warmup_hook is not None:
                     options.post_warmup_hook()
+                for owner, reads in session.reads.items():
+                    reads.check_per_call(owner)
                 steps = _place_wgrad(spec_sets[0], warmups[0], steps, options.has_order)
                 plans = [_plan(shape_specs, records, steps, options) for shape_specs, records in zip(spec_sets, warmups)]
                 if options.eager_replay:
@@ -128,6 +130,8 @@ def prepare_graphs(spec_sets: Sequence[Sequence[GraphSpec]], steps: Sequence[Ste
         state.restore(succeeded)
         session.updates.restore()
         session.host.restore()
+        for reads in session.reads.values():
+            reads.put_back()
         SEAM.forget_stand_in_caches(list(modules.values()))
         drop_queued_work(delayed)  # empty unless graphing failed between a backward and its pass
 

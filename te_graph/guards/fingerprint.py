@@ -8,6 +8,7 @@ import torch
 
 from ..extension import SEAM
 from .frozen import REGRAPH, FrozenModule
+from .outside import OutsideReads
 from .reads import SDPA
 from .settings import Settings
 
@@ -18,19 +19,24 @@ class Fingerprint:
     """What one graphed callable checks at each call: the settings, and its module's
     fingerprint where it is a module (shared by every graph of that module)."""
 
-    __slots__ = ("name", "settings", "module")
+    __slots__ = ("name", "settings", "module", "outside")
 
-    def __init__(self, name: str, settings: Settings, module: Optional[FrozenModule]):
+    def __init__(self, name: str, settings: Settings, module: Optional[FrozenModule],
+                 outside: Optional[OutsideReads] = None):
         self.name = name
         self.settings = settings
         self.module = module
+        self.outside = outside  # globals and plain objects its forward read (None: none)
 
     def check(self) -> None:
         settings = self.settings
         module = self.module
-        if settings.read() == settings.captured and (module is None or module.matches()):
+        outside = self.outside
+        if settings.read() == settings.captured and (module is None or module.matches()) and (
+                outside is None or outside.matches()):
             return
-        found = settings.changes() + (module.changes() if module is not None else [])
+        found = settings.changes() + (module.changes() if module is not None else []) + (
+            outside.changes() if outside is not None else [])
         if found:
             raise RuntimeError(f"{self.name}: since graphing, {'; '.join(found)}. {REGRAPH}")
 
@@ -49,5 +55,5 @@ def fingerprints(specs: Sequence[Any], device_type: str, runtime: frozenset, rea
             if frozen is None:
                 frozen = modules[id(func)] = FrozenModule(func, runtime, SEAM.keeps_own_state, spec.routed, read)
         sdpa = read is not None and SDPA in read.consults
-        result.append(Fingerprint(spec.name, Settings(device_type, sdpa), frozen))
+        result.append(Fingerprint(spec.name, Settings(device_type, sdpa), frozen, OutsideReads.of(read)))
     return result

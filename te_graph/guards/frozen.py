@@ -43,7 +43,7 @@ from .hooks import (
     HOOK_KINDS, ROUTED_HOOKS, ROUTED_SUBMODULE_HOOKS, SUBMODULE_HOOKS, global_hooks_run_at_capture_only,
     hooks_outside_graphs, leaving_out, same_objects,
 )
-from .reads import ForwardReads, watched_names
+from .reads import ForwardReads, kept, plain_value, watched_names
 
 __all__ = ["FrozenModule", "REGRAPH"]
 
@@ -149,7 +149,7 @@ class FrozenModule:
                     tensor_values.append(value)
                 elif type(value) is not int:  # frameworks keep per-call counters in ints
                     slots.append(_Slot(attributes, key, f"attribute {key!r} of {where}"))
-                    values.append(value)
+                    values.append(kept(value) if plain_value(value) else value)  # a dict of options: its contents
             buffers.extend((_qualified(prefix, k), b) for k, b in compat.buffer_slots(sub).items()
                            if type(b) is torch.Tensor)
             # The graphed module's own hooks run around the graphed forward, unless its class
@@ -320,7 +320,7 @@ class FrozenModule:
                 found.append(f"{slot.what} was replaced by another object (a new nn.Parameter or tensor, "
                              "load_state_dict(assign=True), or None)")
             elif type(now) is type(then) and now == then:
-                values[i] = now  # the same value assigned again
+                values[i] = kept(now) if plain_value(now) else now  # the same value assigned again
             elif slot.key == "training" and isinstance(now, bool):
                 found.append(f"{slot.what} is in {'train' if now else 'eval'} mode, but was in "
                              f"{'train' if then else 'eval'} mode at capture")

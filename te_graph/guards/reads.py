@@ -7,6 +7,13 @@ call (``frozen``), instead of a hand-picked list.
   submodule, a flag) and those resolved on the class (``forward``, methods, class
   constants), whose shadowing by a new instance attribute (a patched ``forward``) the
   per-call check then sees. The class is put back when the pass ends.
+* **Plain objects** the modules hold (a Hugging Face style ``config``, a namespace of
+  options): recorded as the modules are, so the names the forward reads of them are known.
+* **Module globals** the forward's own code reads (a flag, a dict of options): every
+  Python function the pass runs outside torch, te_graph and the integrations' frameworks
+  is noted (``sys.setprofile``), and the plain values among the global names its code
+  uses are watched (``outside``). What the pass itself changes is the forward's own
+  per-call state and is left out.
 * **Torch functions** the forward calls (a ``TorchFunctionMode``): which process-wide
   settings it consults (scaled-dot-product attention reads the SDPA backend flags).
 
@@ -17,6 +24,8 @@ stay out of the fingerprint.
 from __future__ import annotations
 
 import contextlib
+import enum
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
@@ -27,7 +36,7 @@ from .. import compat
 from ..compat import MODULE_INTERNALS
 from ..extension import SEAM
 
-__all__ = ["ForwardReads", "reads_recorded", "SDPA"]
+__all__ = ["ForwardReads", "reads_recorded", "SDPA", "plain_value", "kept"]
 
 SDPA = "sdpa"  # the forward calls scaled-dot-product attention: the SDPA backend flags are read
 _SDPA_FUNCTIONS = frozenset({"scaled_dot_product_attention", "_native_multi_head_attention",
@@ -42,6 +51,76 @@ class ForwardReads:
     class_names: dict = field(default_factory=dict)  # id(module) -> names read from its class
     consults: set = field(default_factory=set)  # process-wide settings read (``SDPA``)
     recorded: set = field(default_factory=set)  # ids of the modules whose reads were recorded
+    objects: dict = field(default_factory=dict)  # id -> a plain object the modules hold, its reads recorded
+    # (id(globals), name) -> (globals, name, module name): plain globals the forward's code uses
+    globals: dict = field(default_factory=dict)
+    changed: set = field(default_factory=set)  # (id(table), name) the pass itself changed: per-call state
+    # (id(table), name) -> (table, name, what, value before the pass, value after it): the
+    # plain values outside the modules the pass changed, put back when warmup ends (``settle``)
+    touched: dict = field(default_factory=dict)
+
+    def check_per_call(self, owner: str) -> None:
+        """After warmup: a value outside the modules that the later passes changed again is
+        per-call state a graph cannot replay, refused as a module attribute's would be."""
+        for table, name, what, _, first in self.touched.values():
+            now = table.get(name, _GONE)
+            if now != first:
+                raise ValueError(
+                    f"make_graphed_callables: the forward of {owner} changes {what} at every call ({first!r} after "
+                    f"the first warmup pass, {now!r} after the last); a graph replays GPU work only, so at replay it would keep its value. Keep such state "
+                    "in a tensor updated in place, or change it outside the graphed forward."
+                )
+
+    def put_back(self) -> None:
+        """What the passes changed outside the modules, as it was (warmup leaves the user's
+        state as it found it)."""
+        for table, name, _, before, _ in self.touched.values():
+            table[name] = before
+
+
+_SCALARS = frozenset({bool, int, float, complex, str, bytes, type(None), torch.dtype})
+_CONTAINERS = (dict, list, tuple, set, frozenset)
+
+
+def _scalar(value: Any) -> bool:
+    return type(value) in _SCALARS or isinstance(value, enum.Enum)
+
+
+def plain_value(value: Any) -> bool:
+    """Whether the per-call check can compare ``value`` with ``==``: a scalar (a flag, a
+    number, a string, a dtype, an enum member) or a small container of scalars."""
+    if _scalar(value):
+        return True
+    if type(value) in _CONTAINERS and len(value) <= 64:
+        items = value.items() if type(value) is dict else ((v, None) for v in value)
+        return all(_scalar(k) and _scalar(v) for k, v in items)
+    return False
+
+
+def kept(value: Any) -> Any:
+    """What the check compares a plain value with later: a copy of a mutable container (the
+    object itself would always equal itself)."""
+    return type(value)(value) if type(value) in (dict, list, set) else value
+
+
+def _plain_object(value: Any) -> bool:
+    """An object of a Python class with a ``__dict__`` of its own (a config, a dataclass of
+    options): not a module, tensor, class, enum member or callable, and not of torch or of a
+    framework an integration serves (``Extension.packages``)."""
+    if callable(value) or isinstance(value, (torch.nn.Module, torch.Tensor, enum.Enum, type(sys))):
+        return False
+    package = type(value).__module__.partition(".")[0]
+    return hasattr(value, "__dict__") and package not in _FRAMEWORKS and package not in SEAM.packages()
+
+
+_FRAMEWORKS = frozenset({"torch", "te_graph", "rng", "checkpointing"})
+
+
+def _excluded_packages() -> frozenset:
+    """Packages whose code and objects keep their own state: torch, te_graph's, the Python
+    standard library and the frameworks the integrations serve (``Extension.packages``)."""
+    stdlib = getattr(sys, "stdlib_module_names", frozenset())
+    return _FRAMEWORKS | frozenset(("numpy", "_pytest", "pytest", "pluggy")) | stdlib | SEAM.packages()
 
 
 _RECORDING: dict[type, type] = {}  # class -> its recording subclass
@@ -87,28 +166,94 @@ class _Functions(TorchFunctionMode):
 def reads_recorded(modules: Sequence[torch.nn.Module], reads: ForwardReads) -> Iterator[None]:
     """Inside: attribute reads of ``modules`` and their submodules, and the settings-reading
     functions called, go into ``reads``; every class is put back on exit."""
-    swapped: list[tuple[torch.nn.Module, type]] = []
+    swapped: list[tuple[Any, type]] = []
     seen: set[int] = set()
+    excluded = _excluded_packages()
+    objects: list[Any] = []
     for module in modules:
         for sub in module.modules():
             if id(sub) in seen or isinstance(sub, torch.jit.ScriptModule) or SEAM.keeps_own_state(sub):
                 continue
             seen.add(id(sub))
-            cls = type(sub)
-            try:
-                sub.__class__ = _recording_class(cls, lambda: _CURRENT[0])
-            except TypeError:  # a class that cannot be subclassed or swapped: its reads stay unknown
-                continue
-            swapped.append((sub, cls))
-            reads.recorded.add(id(sub))
+            if _swap(sub, swapped):
+                reads.recorded.add(id(sub))
+                objects.extend(v for v in sub.__dict__.values() if id(v) not in seen and _plain_object(v))
+    for obj in objects:
+        if id(obj) not in seen:
+            seen.add(id(obj))
+            before = {k: kept(v) for k, v in vars(obj).items() if plain_value(v)}
+            reads.objects[id(obj)] = (obj, before)
+            if not _swap(obj, swapped):  # a C type's instance (types.SimpleNamespace): all its plain values count
+                reads.attributes.setdefault(id(obj), set()).update(before)
+    profiler = sys.getprofile()
+    noted = _GlobalsNoted(reads, excluded, profiler)
     previous, _CURRENT[0] = _CURRENT[0], reads
     try:
+        sys.setprofile(noted)
         with compat.compiled_code_run_eagerly(), _Functions(reads):
             yield
     finally:
+        sys.setprofile(profiler)
         _CURRENT[0] = previous
         for sub, cls in swapped:
-            sub.__class__ = cls
+            object.__setattr__(sub, "__class__", cls)
+        noted.close()
+        for obj, before in reads.objects.values():
+            for name, value in vars(obj).items():
+                if name in before and before[name] != value:
+                    reads.changed.add((id(vars(obj)), name))
+                    reads.touched.setdefault((id(vars(obj)), name), (
+                        vars(obj), name, f"attribute {name!r} of the {type(obj).__name__} object it reads",
+                        before[name], kept(value)))
+
+
+def _swap(obj: Any, swapped: list) -> bool:
+    """Make ``obj`` an instance of its class's recording subclass (its reads noted)."""
+    cls = type(obj)
+    try:
+        object.__setattr__(obj, "__class__", _recording_class(cls, lambda: _CURRENT[0]))
+    except (TypeError, AttributeError):  # a class that cannot be subclassed or swapped: its reads stay unknown
+        return False
+    swapped.append((obj, cls))
+    return True
+
+
+class _GlobalsNoted:
+    """A ``sys.setprofile`` function: for each Python function run for the first time, the
+    plain values among the global names its code uses (outside the excluded packages)."""
+
+    def __init__(self, reads: ForwardReads, excluded: frozenset, profiler: Any):
+        self.reads, self.excluded, self.profiler = reads, excluded, profiler  # profiler: the user's, still called
+        self.codes: set = set()
+        self.before: dict = {}  # (id(globals), name) -> the value when first noted
+
+    def __call__(self, frame: Any, event: str, arg: Any) -> None:
+        if self.profiler is not None:
+            self.profiler(frame, event, arg)
+        if event != "call" or frame.f_code in self.codes:
+            return
+        code = frame.f_code
+        self.codes.add(code)
+        table = frame.f_globals
+        module = table.get("__name__") or ""
+        if module.partition(".")[0] in self.excluded:
+            return
+        for name in code.co_names:
+            if name in table and (id(table), name) not in self.before and plain_value(table[name]):
+                self.before[(id(table), name)] = kept(table[name])
+                self.reads.globals[(id(table), name)] = (table, name, module)
+
+    def close(self) -> None:
+        """Note the globals the pass changed (the forward's own per-call state)."""
+        for key, value in self.before.items():
+            table, name, module = self.reads.globals[key]
+            if table.get(name, _GONE) != value:
+                self.reads.changed.add(key)
+                self.reads.touched.setdefault(key, (table, name, f"global {name!r} of module {module}", value,
+                                                    kept(table.get(name, _GONE))))
+
+
+_GONE = object()
 
 
 def watched_names(reads: ForwardReads, module: torch.nn.Module, runtime: frozenset) -> tuple[str, ...]:
