@@ -21,5 +21,7 @@ setup(
         "docs": [],
         # Transformer Engine layers and FP8: the version the GPU tests and bench_te.py ran with.
         "te": ["transformer_engine[pytorch]==2.20.2"],
+        # CUDA conditional nodes (te_graph.capture.conditional): the driver calls and NVRTC.
+        "conditional": ["cuda-bindings>=12.6"],
     },
 )
