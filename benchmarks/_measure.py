@@ -51,6 +51,7 @@ class Built:
     keep: Any = None  # the model and graphs; dropped after the row
     capture_s: Optional[float] = None  # synchronised wall time of make_graphed_callables
     release: Optional[Callable[[], None]] = None  # frees graphs and static buffers
+    checks: Optional[Callable[[], dict]] = None  # after the timed steps: fields added to the row
 
 
 @dataclass(frozen=True)
@@ -218,6 +219,8 @@ def measure_steps(build: Callable[[], Built], inputs: Sequence[torch.Tensor], se
         row["times_ms"] = times
         if labels is not None and len(set(labels)) > 1:
             row["ms_by_input"] = medians_by_label(times, labels)
+        if built.checks is not None:
+            row.update(built.checks())
     finally:
         _release(built, row)
 
@@ -328,6 +331,9 @@ def progress_line(config: str, name: str, row: Mapping[str, Any]) -> str:
         parts.append(f"build peak {row['build_peak_reserved_mib']:.0f} MiB")
     if row.get("capture_s") is not None:
         parts.append(f"capture {row['capture_s']:.3f} s")
+    if row.get("bitwise_equal_to_eager") is not None:
+        parts.append("bitwise equal to eager" if row["bitwise_equal_to_eager"] else
+                     f"DIFFERS from eager: {str(row.get('mismatch', '')).splitlines()[0][:160]}")
     return f"[{config}] {name}: " + ", ".join(parts)
 
 

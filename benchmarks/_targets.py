@@ -210,6 +210,26 @@ def fp8_targets(results: Mapping[str, Rows], rows_of: Mapping[str, tuple[str, st
     return lines
 
 
+def whole_step_targets(results: Mapping[str, Rows], pairs: Sequence[tuple[str, str]],
+                       ratio: float = 1.02) -> list[TargetLine]:
+    """The product's whole-step graph against the hand-made one, per config and per
+    (product row, hand-made row) pair: within ``ratio`` of its ms per step, and whether the
+    product's verified step was bitwise equal to the eager step (its ``bitwise_equal_to_eager``)."""
+    lines = []
+    for config, rows in results.items():
+        for ours, reference in pairs:
+            if ours not in rows and reference not in rows:
+                continue
+            lines.append(_compare(config, f"{ours}_vs_{reference}", f"{ours} <= {ratio:g}x {reference}",
+                                  rows, (ours, "ms"), (reference, "ms"), ratio, "ms"))
+            equal = rows.get(ours, {}).get("bitwise_equal_to_eager")
+            verdict = NOT_AVAILABLE if equal is None else PASS if equal else FAIL
+            detail = {None: "not checked", True: "the verified step equals the eager step bitwise",
+                      False: str(rows.get(ours, {}).get("mismatch", "differs")).splitlines()[0][:200]}[equal]
+            lines.append(TargetLine(config, f"{ours}_bitwise", f"{ours} bitwise equal to eager", detail, verdict))
+    return lines
+
+
 def format_lines(lines: list[TargetLine]) -> list[str]:
     """One printable line per target."""
     return [f"  {line.verdict:<4} {line.config:<8} {line.target}: {line.detail}" for line in lines]

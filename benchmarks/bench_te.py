@@ -6,6 +6,7 @@ Run from the repository root on a GPU with Transformer Engine (on the GPU machin
 
     python benchmarks/bench_te.py --out /tmp/bench_te.json --png /tmp/bench_te.png
     python benchmarks/bench_te.py --configs te-small --precisions bf16 --iters 50
+    python benchmarks/bench_te.py --variants "te_graph,whole-step graph,te_graph step" --no-recompute
 
 For each config it builds a stack of ``te.TransformerLayer`` (bf16 parameters, causal
 attention, dropout 0.1 under TE's RNG tracker, ``[s, b, h]`` activations) and measures, one
@@ -24,6 +25,10 @@ parameters, which TE needs for them), the step running inside
 * ``whole-step graph`` the eager step (grad zeroing, forward under ``te.autocast`` with its
   FP8 amax reductions and scale updates, loss, backward) captured as one CUDA graph: the
   reference for what the GPU needs;
+* ``te_graph step``    the same step through ``te_graph.make_graphed_step`` (the product's
+  whole-step graph: exact dropout, guards checked at each call); its first call is verified
+  (``verify=te_graph.Verify(first=1, on_mismatch="warn")``, in the untimed warmup): the row
+  says whether the graph's step was bitwise equal to the eager step;
 
 and the first three with each layer recomputed (``+rc``): TE's own
 ``te.distributed.checkpoint`` for eager and TE's graphs, ``checkpointing.checkpoint`` (exact
@@ -31,7 +36,8 @@ dropout in the recompute) for te_graph, both driven by TE's tracker.
 
 The target lines (peers: te_graph faster than TE's graphs on every row, steady footprint
 and capture peak no larger; FP8: each FP8 row of te_graph within 1.15x of its bf16 row
-and within 1.1x of the whole-step graph) inform and assert nothing. A row that fails prints its error and
+and within 1.1x of the whole-step graph; the product's whole-step graph within 1.02x of
+the hand-made one, and bitwise equal to eager) inform and assert nothing. A row that fails prints its error and
 the run goes on.
 """
 from __future__ import annotations
@@ -39,6 +45,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 from typing import Callable, Sequence
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -60,7 +67,17 @@ from _measure import (  # noqa: E402
     whole_step_graph,
 )
 from _report import JsonReport, add_output_args, table_lines, write_png  # noqa: E402
-from _targets import EAGER, TE_GRAPH, TE_GRAPHED, WHOLE_STEP_GRAPH, format_lines, fp8_targets, peer_targets  # noqa: E402
+from _targets import (  # noqa: E402
+    EAGER,
+    TE_GRAPH,
+    TE_GRAPH_STEP,
+    TE_GRAPHED,
+    WHOLE_STEP_GRAPH,
+    format_lines,
+    fp8_targets,
+    peer_targets,
+    whole_step_targets,
+)
 from torch import nn  # noqa: E402
 
 import checkpointing  # noqa: E402
@@ -188,6 +205,8 @@ def build(cfg: tuple, precision: str, kind: str, recompute: bool) -> Built:
         step = make_step(layers, params, precision)
         (run, free), seconds = synchronised(lambda: whole_step_graph(step, static_x, tracker()))
         return Built(run, keep=(layers, static_x), capture_s=seconds, release=free)
+    if kind == TE_GRAPH_STEP:
+        return _te_graph_step(cfg, layers, params, precision)
     recipe = recipe_for(precision)
     graph = te().make_graphed_callables if kind == TE_GRAPHED else te_graph.make_graphed_callables
     extra = {} if kind == TE_GRAPHED else {"get_rng_state_tracker": tracker}
@@ -197,18 +216,47 @@ def build(cfg: tuple, precision: str, kind: str, recompute: bool) -> Built:
     return Built(make_step(graphed, params, precision), keep=(layers, graphed), capture_s=seconds, release=release)
 
 
+def _te_graph_step(cfg: tuple, layers: list[nn.Module], params: list[torch.Tensor], precision: str) -> Built:
+    """The product's whole-step graph of the same step; its first call (untimed warmup) is
+    verified against the eager step, bitwise, and the row keeps what that found."""
+    _, hidden, _, _, seq, batch = cfg
+    static_x = torch.zeros(seq, batch, hidden, device="cuda", dtype=torch.bfloat16)
+    step = make_step(layers, params, precision)
+    verify = te_graph.Verify(first=1, on_mismatch="warn")
+    graphed, seconds = synchronised(lambda: te_graph.make_graphed_step(
+        step, (static_x,), modules=layers, get_rng_state_tracker=tracker, verify=verify))
+    found: dict = {}
+
+    def run(x: torch.Tensor) -> None:
+        if found:
+            graphed(x)
+            return
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            graphed(x)
+        reports = [str(w.message) for w in caught if "te_graph's verifier" in str(w.message)]
+        found.update(bitwise_equal_to_eager=not reports, **({"mismatch": reports[0]} if reports else {}))
+
+    return Built(run, keep=(layers, static_x, graphed), capture_s=seconds, release=graphed.reset,
+                 checks=lambda: dict(found))
+
+
 def row_name(kind: str, precision: str, recompute: bool) -> str:
     return f"{kind} {precision}{'+rc' if recompute else ''}"
 
 
-def variants_for(cfg: tuple, precisions: Sequence[str]) -> dict[str, Variant]:
-    # The whole-step graph is the reference without recompute only: TE's checkpoint copies
-    # RNG states in and out around its recompute, which one graph of the step cannot replay.
+KINDS = (EAGER, TE_GRAPHED, TE_GRAPH, WHOLE_STEP_GRAPH, TE_GRAPH_STEP)
+
+
+def variants_for(cfg: tuple, precisions: Sequence[str], kinds: Sequence[str] = KINDS,
+                 recomputes: Sequence[bool] = (False, True)) -> dict[str, Variant]:
+    # The whole-step graphs are rows without recompute only: TE's checkpoint copies RNG
+    # states in and out around its recompute, which one graph of the step cannot replay.
     return {
         row_name(kind, precision, recompute): Variant(
             lambda kind=kind, precision=precision, recompute=recompute: build(cfg, precision, kind, recompute))
-        for precision in precisions for recompute in (False, True)
-        for kind in (EAGER, TE_GRAPHED, TE_GRAPH) + (() if recompute else (WHOLE_STEP_GRAPH,))
+        for precision in precisions for recompute in recomputes
+        for kind in kinds if not (recompute and kind in (WHOLE_STEP_GRAPH, TE_GRAPH_STEP))
     }
 
 
@@ -224,6 +272,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                                                  "te_graph, bf16 and FP8, with and without recompute.")
     parser.add_argument("--configs", default=",".join(CONFIGS), type=csv_choice(tuple(CONFIGS), "config"))
     parser.add_argument("--precisions", default=",".join(PRECISIONS), type=csv_choice(PRECISIONS, "precision"))
+    parser.add_argument("--variants", default=",".join(KINDS), type=csv_choice(KINDS, "variant"),
+                        help="comma-separated kinds of rows (default: all)")
+    parser.add_argument("--no-recompute", action="store_true", help="leave out the +rc rows")
     add_measure_args(parser, 100, 10)
     add_output_args(parser)
     return parser.parse_args(argv)
@@ -243,7 +294,8 @@ def main(argv: Sequence[str] | None = None) -> None:
           f"iters {args.iters}, warmup {args.warmup}", flush=True)
     report = JsonReport(args.out, {**env, "benchmark": "bench_te", "iters": args.iters, "warmup": args.warmup,
                                    "dropout": DROPOUT})
-    order = list(variants_for(CONFIGS[args.configs[0]], args.precisions))
+    recomputes = (False,) if args.no_recompute else (False, True)
+    order = list(variants_for(CONFIGS[args.configs[0]], args.precisions, args.variants, recomputes))
     for config in args.configs:
         layers, hidden, ffn, heads, seq, batch = CONFIGS[config]
         report.add_config(config, {"layers": layers, "hidden": hidden, "ffn": ffn, "heads": heads,
@@ -251,7 +303,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"\n== {config}: {layers} x te.TransformerLayer, h {hidden}, ffn {ffn}, heads {heads}, "
               f"s {seq}, b {batch}, dropout {DROPOUT} ==", flush=True)
         cfg = CONFIGS[config]
-        variants = variants_for(cfg, args.precisions)
+        variants = variants_for(cfg, args.precisions, args.variants, recomputes)
         run_rows(config, variants, list(variants), lambda kind, cfg=cfg: make_inputs(cfg, kind), settings,
                  lambda name, row, config=config: report.add_row(config, name, row))
     results = report.results(order)
@@ -267,7 +319,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     fp8_lines = fp8_targets(results, fp8)
     print("\nFP8 targets (informational; they assert nothing):")
     print("\n".join(format_lines(fp8_lines)), flush=True)
-    report.set_targets(lines + fp8_lines)
+    step_lines = whole_step_targets(results, [(row_name(TE_GRAPH_STEP, p, False), row_name(WHOLE_STEP_GRAPH, p, False))
+                                              for p in args.precisions])
+    print("\nWhole-step targets (informational; they assert nothing):")
+    print("\n".join(format_lines(step_lines)), flush=True)
+    report.set_targets(lines + fp8_lines + step_lines)
     if args.png and write_png(args.png, results, f"bench_te on {env['device']} (TE {env['transformer_engine']})"):
         print(f"table plotted to {args.png}")
 

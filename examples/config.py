@@ -82,6 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-parallel", action="store_true",
                    help="use the processes beyond --tensor-parallel as data-parallel replicas (torch "
                    "DDP; each replica trains on other batches)")
+    p.add_argument("--graph-step", action="store_true",
+                   help="graph the whole training step as one CUDA graph (te_graph.make_graphed_step: "
+                   "forward, loss, backward, grad clipping and the AdamW step) instead of each layer; "
+                   "the first step runs eagerly and makes the optimizer's state. Without CUDA: "
+                   "te_graph's eager-replay wrapper of the step")
     p.add_argument("--eager-replay", action="store_true",
                    help="run te_graph's graphed wrapper without graphs (debugging; CPU too); implies --graphs")
     p.add_argument("--compare", action="store_true",
@@ -100,6 +105,7 @@ class Config:
     dtype: torch.dtype
     graphs: bool
     eager_replay: bool
+    graph_step: bool  # with graphs: the whole step as one graph instead of each layer
     recompute: str
     layers: int
     hidden: int
@@ -172,6 +178,13 @@ def resolve(args: argparse.Namespace, world: int = 1, local_rank: int = 0) -> tu
     eager_replay = args.eager_replay
     if eager_replay and args.graphs is False:
         raise _fail("--eager-replay runs te_graph's graphed wrapper without graphs; it cannot go with --no-graphs.")
+    if args.graph_step:
+        _check_graph_step(args, buckets)
+        if device.type != "cuda" and not eager_replay:
+            where = "No CUDA device" if not cuda else f"--device {device}"
+            notes.append(f"{where}: --graph-step runs te_graph's eager-replay wrapper of the whole step "
+                         f"on {device} (the same static-buffer wrapper, without a graph).")
+            eager_replay = True
     # --eager-replay is te_graph's wrapper without graphs, so it implies --graphs.
     graphs = args.graphs if args.graphs is not None else (kind == "cuda" or eager_replay)
     if kind != "cuda" and not (graphs and eager_replay):
@@ -207,7 +220,7 @@ def resolve(args: argparse.Namespace, world: int = 1, local_rank: int = 0) -> tu
         )
         deterministic = False
     config = Config(
-        device=device, dtype=dtype, graphs=graphs, eager_replay=eager_replay,
+        device=device, dtype=dtype, graphs=graphs, eager_replay=eager_replay, graph_step=args.graph_step,
         recompute=recompute, seq_buckets=buckets, dropout=args.dropout,
         warmup=args.warmup if args.warmup is not None else values["steps"] // WARMUP_DIVISOR[kind],
         weight_decay=args.weight_decay, clip_grad=args.clip_grad, seed=args.seed,
@@ -217,6 +230,18 @@ def resolve(args: argparse.Namespace, world: int = 1, local_rank: int = 0) -> tu
         data_parallel=args.data_parallel, **values,
     )
     return config, notes
+
+
+def _check_graph_step(args: argparse.Namespace, buckets: Optional[tuple[int, ...]]) -> None:
+    """What one graph of the whole step cannot hold, refused before anything is built."""
+    if args.graphs is False:
+        raise _fail("--graph-step graphs the whole training step; it cannot go with --no-graphs.")
+    if buckets:
+        raise _fail("--graph-step captures the step for one batch shape; it cannot go with --seq-buckets "
+                    "(drop --graph-step: the per-layer graphs take every length).")
+    if args.tensor_parallel > 1 or args.data_parallel:
+        raise _fail("--graph-step runs on one process; it cannot go with --tensor-parallel or --data-parallel "
+                    "(drop --graph-step: the per-layer graphs run under both).")
 
 
 def _check_parallelism(args: argparse.Namespace, world: int, values: dict, buckets, recompute: str) -> None:

@@ -4,12 +4,14 @@ Trains the GPT of ``examples/gpt.py`` on the repository's own text (``examples/d
 nothing is downloaded). On a GPU each transformer layer's forward and backward become one
 CUDA graph each (``te_graph.make_graphed_callables``), with full activation recompute
 inside the graphs and dropout masks exactly those of eager training; the embedding, the
-output layer, the loss and the optimizer stay eager. Without CUDA it trains eagerly on
-the CPU.
+output layer, the loss and the optimizer stay eager. With ``--graph-step`` the whole
+training step (forward, loss, backward, grad clipping, the AdamW step) is one graph
+instead (``te_graph.make_graphed_step``). Without CUDA it trains eagerly on the CPU.
 
     python examples/train_gpt.py                      # defaults for the device at hand
     python examples/train_gpt.py --no-graphs          # eager baseline
     python examples/train_gpt.py --compare            # eager then graphed, same seed: bitwise equal?
+    python examples/train_gpt.py --graph-step --compare   # the whole step as one graph against eager
     python examples/train_gpt.py --seq-buckets 64,128,256   # varying lengths, graphed per length
     torchrun --nproc-per-node 2 examples/train_gpt.py --tensor-parallel 2
     torchrun --nproc-per-node 2 examples/train_gpt.py --data-parallel
@@ -52,7 +54,7 @@ from examples.parallel import ParallelGPT, allreduce_sequence_parallel_grads, cl
 from examples.runtime import Parallelism, deterministic_algorithms, init_process_group, make_groups, shutdown  # noqa: E402
 
 __all__ = [
-    "main", "train", "build_model", "graph_layers", "learning_rate", "lm_loss",
+    "main", "train", "build_model", "graph_layers", "learning_rate", "lm_loss", "make_optimizer", "train_step",
     "build_parser", "resolve", "Config", "CharCorpus", "load_corpus", "REPO_ROOT",
 ]
 
@@ -138,6 +140,36 @@ def finish_grads(model: GPT, config: Config, parallel: Parallelism) -> None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip_grad)
 
 
+def make_optimizer(model: torch.nn.Module, config: Config) -> torch.optim.AdamW:
+    """AdamW (fused on CUDA) with its learning rate a tensor that the schedule fills in
+    place, so a graph of the whole step reads each step's rate; every run uses it, so all
+    runs train alike. float32 on CUDA (what the fused kernel reads), float64 on CPU (the
+    same numbers as a Python float). Capturable where the step is graphed."""
+    cuda = config.device.type == "cuda"
+    lr = torch.tensor(config.lr, dtype=torch.float32 if cuda else torch.float64, device=config.device)
+    return torch.optim.AdamW(
+        model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=config.weight_decay,
+        fused=cuda or None, capturable=cuda and config.graph_step,
+    )
+
+
+def train_step(runner: torch.nn.Module, model: GPT, optimizer: torch.optim.Optimizer, config: Config,
+               parallel: Parallelism):
+    """One training step on a batch: forward, loss, backward, the gradients finished
+    (clipped), the optimizer's step and the gradients zeroed in place; returns the loss as a
+    tensor (nothing is read on the host, so ``te_graph.make_graphed_step`` can capture it)."""
+
+    def step(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = lm_loss(runner(tokens), targets)
+        loss.backward()
+        finish_grads(model, config, parallel)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+        return loss.detach()
+
+    return step
+
+
 # -- one run ---------------------------------------------------------------------------------------
 def train(config: Config, corpus: CharCorpus, parallel: Parallelism = Parallelism(), label: str = "") -> dict:
     """One training run; returns its summary."""
@@ -145,45 +177,52 @@ def train(config: Config, corpus: CharCorpus, parallel: Parallelism = Parallelis
     memory_at_start = report.start_memory(device)
     with deterministic_algorithms(config.deterministic):
         model = build_model(config, corpus.vocab_size, parallel)
+        graph_step = config.graphs and config.graph_step
         capture_start = time.perf_counter()
-        if config.graphs:
+        if config.graphs and not graph_step:
             graph_layers(model.layers, layer_input_shapes(config), dtype=config.dtype, device=device,
                          seed=config.seed, eager_replay=config.eager_replay)
             report.sync(device)
-        capture_s = time.perf_counter() - capture_start if config.graphs else 0.0
+        capture_s = time.perf_counter() - capture_start if config.graphs and not graph_step else 0.0
         # DDP wraps the graphed model: te_graph sees DDP's forward and hands parameter
         # gradients to autograd, so DDP's hooks reduce them as in eager training.
         runner = DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None,
             process_group=parallel.dp_group,
         ) if config.data_parallel else model
-        optimizer = torch.optim.AdamW(
-            model.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay,
-            fused=device.type == "cuda" or None,
-        )
+        optimizer = make_optimizer(model, config)
         lengths = bucket_lengths(config.seq_buckets, config.seed + 1) if config.seq_buckets else itertools.repeat(config.seq)
         # Tensor-parallel ranks share batches; data-parallel replicas each get their own.
         batches = corpus.batches(lengths, config.micro_batch, config.seed + 7919 * parallel.dp_rank, device)
-        log = report.RunLog(config.steps, label or ("graphed" if config.graphs else "eager"), device, parallel, config.progress)
+        label = label or (("graphed step" if graph_step else "graphed") if config.graphs else "eager")
+        log = report.RunLog(config.steps, label, device, parallel, config.progress)
 
+        run_step = eager_step = train_step(runner, model, optimizer, config, parallel)
+        batch: tuple = ()
         for step in range(config.steps):
+            if graph_step and step == 1:
+                # After one eager step, which made the optimizer's state; warmup and capture
+                # leave no trace (the sample is the last batch; its values do not matter).
+                capture_start = time.perf_counter()
+                run_step = te_graph.make_graphed_step(eager_step, batch, modules=model,
+                                                      optimizer=optimizer, eager_replay=config.eager_replay)
+                report.sync(device)
+                capture_s += time.perf_counter() - capture_start
             log.start()
-            tokens, targets = next(batches)
+            batch = tokens, targets = next(batches)
             for group in optimizer.param_groups:
-                group["lr"] = learning_rate(config, step)
-            loss = lm_loss(runner(tokens), targets)
-            loss.backward()
-            finish_grads(model, config, parallel)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=False)
+                group["lr"].fill_(learning_rate(config, step))
+            loss = run_step(tokens, targets)
             log.done(loss, tokens.shape[1])
 
         log.close()
         summary = report.summarize(log, model, parallel, config, capture_s=capture_s,
                                    memory_at_start=memory_at_start, started=started, started_utc=started_utc)
-    if config.graphs:
+    if graph_step and run_step is not eager_step:
+        run_step.reset()  # free the graph now, not whenever gc finds it
+    elif config.graphs and not graph_step:
         te_graph.reset(*model.layers)  # free the graphs now, not whenever gc finds them
-    del runner, model, optimizer
+    del runner, model, optimizer, run_step, eager_step
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -210,6 +249,8 @@ def _describe_setup(c: Config, corpus: CharCorpus, parallel: Parallelism) -> str
         f"{c.micro_batch}, {str(c.dtype).replace('torch.', '')} on {c.device}; dropout {c.dropout}, "
         f"recompute {c.recompute}, {c.steps} steps"
     )
+    if c.graph_step:
+        line += "; the whole step as one graph (te_graph.make_graphed_step)"
     if parallel.distributed:
         extras = [name for name, on in (("sequence parallel", c.sequence_parallel),
                   ("distributed saved activations", c.distribute_saved_activations)) if on]
@@ -233,8 +274,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     config, notes = resolve(args, world, int(os.environ.get("LOCAL_RANK", "0")))
     if args.compare and config.device.type != "cuda":
         notes = [
-            f"No CUDA device: --compare runs eager against te_graph's eager-replay wrapper on "
-            f"{config.device} (the same static-buffer wrapper, without graphs)."
+            f"No CUDA device: --compare runs eager against te_graph's eager-replay wrapper"
+            f"{' of the whole step' if config.graph_step else ''} on {config.device} (the same static-buffer "
+            f"wrapper, without graphs)."
         ]
         config = replace(config, eager_replay=True)
     parallel = join_process_group(config, world)
@@ -246,7 +288,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         say(_describe_setup(config, corpus, parallel))
 
         if args.compare:
-            graphed_name = "eager-replay" if config.eager_replay else "graphed"
+            graphed_name = ("eager-replay" if config.eager_replay else "graphed") + (" step" if config.graph_step else "")
             runs = {
                 "eager": train(config.with_graphs(False), corpus, parallel, "eager"),
                 graphed_name: train(config.with_graphs(True), corpus, parallel, graphed_name),
@@ -271,6 +313,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         else:
             summary = train(config, corpus, parallel)
             name = "graphed" if summary["graphs"] else ("eager-replay" if summary["eager_replay"] else "eager")
+            name += " step" if config.graph_step and name != "eager" else ""
             runs = {name: summary}
             say(report.describe_run(name, summary))
         if parallel.is_main:

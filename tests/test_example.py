@@ -181,6 +181,48 @@ def test_compare_on_cpu_uses_the_eager_replay_wrapper(tmp_path, capsys):
     assert imread(tmp_path / "differ.png").shape[0] > imread(tmp_path / "equal.png").shape[0], "a second panel"
 
 
+def test_graph_step_on_cpu_replays_the_whole_step_bitwise_like_eager_and_the_layer_wrapper(tmp_path, capsys):
+    """--graph-step without CUDA: te_graph's eager-replay wrapper of the whole step (forward,
+    loss, backward, clipping, AdamW) trains bitwise like eager and like the per-layer wrapper."""
+    argv = _cpu(tmp_path, "--steps", "5", "--compare", "--dropout", "0.1", "--recompute", "full")
+    summary = main([*argv, "--graph-step"])
+    out = capsys.readouterr().out
+    assert "eager-replay wrapper of the whole step on cpu" in out and "speedup eager-replay step vs eager" in out
+    assert summary["graphed_name"] == "eager-replay step"
+    step = summary["eager-replay step"]
+    assert step["eager_replay"] is True and step["config"]["graph_step"] is True and len(step["losses"]) == 5
+    assert summary["losses_match_bitwise"] and summary["weights_match_bitwise"]
+    layers = main(argv)["eager-replay"]
+    assert report.bitwise_equal(step["losses"], layers["losses"]), "the per-layer wrapper trained otherwise"
+    assert step["params_sha256"] == layers["params_sha256"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the note printed without CUDA")
+def test_graph_step_without_cuda_runs_the_eager_replay_wrapper_with_a_note(tmp_path, capsys):
+    summary = main(["--no-progress", "--out", str(tmp_path), *TINY, "--steps", "2", "--graph-step"])
+    assert summary["eager_replay"] is True and summary["config"]["graph_step"] is True
+    assert ("No CUDA device: --graph-step runs te_graph's eager-replay wrapper of the whole step on cpu"
+            in capsys.readouterr().out)
+
+
+def test_graph_step_refuses_what_one_graph_of_the_step_cannot_hold():
+    def resolve(argv, world=1):
+        return train_gpt.resolve(train_gpt.build_parser().parse_args(["--device", "cpu", "--graph-step", *argv]), world)
+
+    with pytest.raises(SystemExit, match=re.escape(
+            "train_gpt: --graph-step graphs the whole training step; it cannot go with --no-graphs.")):
+        resolve(["--no-graphs"])
+    with pytest.raises(SystemExit, match=re.escape(
+            "train_gpt: --graph-step captures the step for one batch shape; it cannot go with --seq-buckets")):
+        resolve(["--seq-buckets", "8,16"])
+    for argv, world in ((["--tensor-parallel", "2"], 2), (["--data-parallel"], 2)):
+        with pytest.raises(SystemExit, match=re.escape(
+                "train_gpt: --graph-step runs on one process; it cannot go with --tensor-parallel or --data-parallel")):
+            resolve(argv, world)
+    config, _ = resolve([])
+    assert config.graph_step and config.graphs and config.eager_replay
+
+
 def test_loss_comparison_is_bitwise():
     def runs(a, b):
         return {"x": {"losses": a}, "y": {"losses": b}}
@@ -368,6 +410,20 @@ def test_graphed_seq_buckets_equal_eager_bitwise(tmp_path):
     assert graphed["graphs"] is True and len(set(graphed["seq_lengths"])) > 1
     assert graphed["seq_lengths"] == summary["eager"]["seq_lengths"]
     assert summary["losses_match_bitwise"] and summary["weights_match_bitwise"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_graph_step_losses_equal_eager_and_the_per_layer_graphs_bitwise(tmp_path, recompute):
+    """The whole step as one graph (forward, loss, backward, clipping, the fused AdamW step),
+    dropout on: bitwise the eager run, and the per-layer graphs' run."""
+    argv = [*GPU_TINY, "--seq", "32", "--steps", "10", "--recompute", recompute, "--compare", "--out", str(tmp_path)]
+    summary = main([*argv, "--graph-step"])
+    step = summary["graphed step"]
+    assert step["graphs"] is True and step["config"]["graph_step"] is True and step["config"]["dropout"] == 0.1
+    assert summary["losses_match_bitwise"] and summary["weights_match_bitwise"]
+    layers = main(argv)["graphed"]
+    assert step["losses"] == layers["losses"] and step["params_sha256"] == layers["params_sha256"]
 
 
 @pytest.mark.multi_gpu

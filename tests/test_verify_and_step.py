@@ -5,12 +5,18 @@ microbatches under an order); a report naming the tensor when a guard that would
 refused a change is switched off; nothing changes in the model (its state as if only the
 graph ran); off, a graphed callable keeps its class. Whole-step graphs: a step of two
 microbatches with dropout, recompute and an optimizer, bitwise equal to the eager step at
-every step; the refusals; a verified step finds nothing."""
+every step; the refusals; a verified step finds nothing. Rows of the harness cover whole
+steps with dropout, recompute (``checkpointing.checkpoint`` and torch's own checkpoint),
+microbatches accumulating their gradients, the optimizer inside the graph, after it or
+absent, and Transformer Engine's layers in bf16 and FP8 (GPU; TE imported only there)."""
 from __future__ import annotations
 
 import contextlib
 import copy
+import importlib.util
 import re
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -20,9 +26,11 @@ import rng
 import te_graph
 from te_graph.replay.graphed import GraphedCallable
 from te_graph.verify.callable import VerifiedCallable
+import checkpointing
+from examples.gpt import GPTBlock
 from tests import harness
 from tests.graph_helpers import make_blocks, weighted_loss
-from tests.harness import DEVICE_MODES, Trace, refused
+from tests.harness import DEVICE_MODES, EAGER, GRAPHED, Trace, refused
 
 SHAPE = (16, 2, 64)
 
@@ -221,3 +229,196 @@ def test_a_whole_step_graph_refuses_an_optimizer_without_state_and_bad_arguments
         te_graph.make_graphed_step(3, batch, modules=blocks, eager_replay=True)
     with refused(TypeError, re.escape("make_graphed_step: modules must be the nn.Module the step trains"), *batch):
         te_graph.make_graphed_step(lambda *b: None, batch, modules=[3], eager_replay=True)
+
+
+# -- whole steps as rows of the harness ----------------------------------------------------------
+@dataclass(frozen=True)
+class StepSetup(harness.Row):
+    """A whole step of two layers: each microbatch's forward, loss and backward (the
+    gradients accumulate), then the optimizer's step where it is inside the graph."""
+
+    id: str
+    dropout: float = 0.1
+    recompute: str = "none"  # "none", "ours" (checkpointing.checkpoint), "torch" (torch.utils.checkpoint)
+    microbatches: int = 1
+    optimizer: str = "inside"  # inside the graph, "outside" (eager, after each call) or "none"
+    te: Optional[str] = None  # Transformer Engine's TransformerLayer: "bf16" or "fp8" (delayed scaling)
+    gpu_only: bool = False
+    known_bug: str = ""  # a row that fails until te_graph/step is fixed: xfail(strict=True), with the reason
+
+
+# FP8 with checkpointing.checkpoint inside the whole step: the first replayed step's loss differs
+# from eager's (graphs; TE 2.20.2 on an H200), while FP8 without recompute and bf16 with it are exact.
+_FP8_RECOMPUTE = ("FP8 delayed scaling with checkpointing.checkpoint inside a whole-step graph: the first replay's "
+                  "forward differs from eager's (max abs diff 0.0555 in the loss); cause not yet found")
+
+
+STEP_SETUPS = [
+    StepSetup("plain", dropout=0.0),
+    StepSetup("dropout"),
+    StepSetup("recompute-ours", recompute="ours"),
+    StepSetup("recompute-torch", recompute="torch"),
+    StepSetup("microbatches-accumulate", microbatches=3),
+    StepSetup("microbatches-recompute-ours", microbatches=3, recompute="ours"),
+    StepSetup("microbatches-recompute-torch", microbatches=2, recompute="torch"),
+    StepSetup("optimizer-outside", microbatches=2, recompute="ours", optimizer="outside"),
+    StepSetup("no-optimizer", microbatches=2, optimizer="none"),
+    StepSetup("te-bf16", te="bf16", microbatches=2, gpu_only=True),
+    StepSetup("te-bf16-recompute-ours", te="bf16", microbatches=2, recompute="ours", gpu_only=True),
+    StepSetup("te-bf16-optimizer-outside", te="bf16", microbatches=2, optimizer="outside", gpu_only=True),
+    StepSetup("te-fp8-delayed", te="fp8", microbatches=2, gpu_only=True),
+    StepSetup("te-fp8-delayed-recompute-ours", te="fp8", microbatches=2, recompute="ours", gpu_only=True,
+              known_bug=_FP8_RECOMPUTE),
+]
+
+
+class _NoFork:
+    """A tracker without streams: attention dropout draws from the default generator, the
+    only stream torch's checkpoint preserves."""
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "model-parallel-rng"):
+        yield
+
+
+class TorchCheckpointed(nn.Module):
+    """A block inside torch's own checkpoint (non-reentrant, preserve_rng_state=True)."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+
+
+class _TE:
+    """Transformer Engine's layers, tracker and autocast for a row (imported only here)."""
+
+    def __init__(self, setup: StepSetup):
+        import transformer_engine.pytorch as te
+        from transformer_engine.common import recipe
+        from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+
+        FP8GlobalStateManager.reset()
+        self.te, self.recipe = te, recipe.DelayedScaling() if setup.te == "fp8" else None
+        self.tracker = te.distributed.CudaRNGStatesTracker()
+        self.tracker.add("model-parallel-rng", 1234 + 2718)
+        torch.manual_seed(1234)
+        torch.cuda.manual_seed(1234)
+        self.layers = [te.TransformerLayer(SHAPE[2], 2 * SHAPE[2], 4, hidden_dropout=setup.dropout,
+                                           attention_dropout=setup.dropout, params_dtype=torch.bfloat16,
+                                           self_attn_mask_type="causal", get_rng_state_tracker=lambda: self.tracker)
+                       for _ in range(2)]
+        if setup.recompute == "ours":
+            self.layers = [_Recomputed(m, lambda: self.tracker) for m in self.layers]
+
+    def autocast(self):
+        return self.te.autocast(enabled=self.recipe is not None, recipe=self.recipe)
+
+    @staticmethod
+    def fp8_meta(layers) -> list:
+        """Every module's amax history and scales (delayed scaling keeps them)."""
+        from tests.test_te_layers import fp8_meta
+
+        return fp8_meta([layers])
+
+
+class _Recomputed(nn.Module):
+    def __init__(self, layer: nn.Module, tracker: Any):
+        super().__init__()
+        self.layer, self.tracker = layer, tracker
+
+    def forward(self, x):
+        return checkpointing.checkpoint(self.layer, x, get_rng_state_tracker=self.tracker)
+
+
+def _step_layers(setup: StepSetup, device: str) -> tuple[nn.ModuleList, Optional[_TE]]:
+    if setup.te:
+        made = _TE(setup)
+        return nn.ModuleList(made.layers), made
+    if setup.recompute == "torch":
+        rng.model_parallel_cuda_manual_seed(1234)
+        torch.manual_seed(1234)
+        blocks = [GPTBlock(SHAPE[2], 4, setup.dropout, get_rng_tracker=_NoFork, device=device) for _ in range(2)]
+        return nn.ModuleList(TorchCheckpointed(b) for b in blocks), None
+    return nn.ModuleList(make_blocks(n=2, device=device, dropout=setup.dropout,
+                                     recompute=setup.recompute == "ours")), None
+
+
+def _run_steps(setup: StepSetup, device: str, mode: str, steps: int = 3) -> Trace:
+    """One eager step (the optimizer's state), then ``steps`` steps eagerly or through
+    ``make_graphed_step`` in ``mode``: the losses, the gradients and FP8 meta of every step,
+    the weights and buffers after."""
+    layers, te = _step_layers(setup, device)
+    params = list(layers.parameters())
+    opt = torch.optim.SGD(params, lr=1e-2, momentum=0.9) if setup.optimizer != "none" else None
+    dtype = torch.bfloat16 if te else torch.float32
+    batches = [tuple(_batch(device, 10 * i + m).to(dtype) for m in range(setup.microbatches)) for i in range(steps + 1)]
+
+    def step(*xs):
+        for p in params:
+            if p.grad is not None:
+                p.grad.zero_()
+        losses = []
+        for x in xs:
+            y = x.detach().requires_grad_(True)
+            with te.autocast() if te else contextlib.nullcontext():
+                for layer in layers:
+                    out = layer(y)
+                    y = out[0] if isinstance(out, tuple) else out
+            loss = weighted_loss(y)
+            loss.backward()
+            losses.append(loss.detach())
+        if setup.optimizer == "inside":
+            opt.step()
+        return torch.stack(losses)
+
+    trace = Trace()
+    rng.model_parallel_cuda_manual_seed(5)
+    torch.manual_seed(5)
+
+    def record(losses):
+        trace.outputs.append(losses.clone())
+        trace.step(params)
+        if setup.optimizer == "outside":
+            opt.step()
+        if te:
+            trace.fp8_meta.append(te.fp8_meta(layers))
+
+    record(step(*batches[0]))
+    run = step
+    if mode != EAGER:
+        run = te_graph.make_graphed_step(step, batches[0], modules=layers, eager_replay=harness.eager_replay(mode),
+                                         optimizer=opt if setup.optimizer == "inside" else None,
+                                         get_rng_state_tracker=(lambda: te.tracker) if te else None)
+    for batch in batches[1:]:
+        record(run(*batch))
+    trace.end(params, [layers])
+    if mode != EAGER:
+        run.reset()
+    return trace
+
+
+def _check_step_row(setup: StepSetup, device: str) -> None:
+    if setup.te and importlib.util.find_spec("transformer_engine") is None:
+        pytest.skip('needs Transformer Engine: pip install -e ".[te]"')
+    harness.differential(lambda mode: _run_steps(setup, device, mode), GRAPHED[device], f"whole step {setup.id}")
+
+
+def _step_params(device: str) -> list:
+    """The rows of ``device``, a row with a known bug marked xfail(strict=True)."""
+    rows = {row.id: row for row in STEP_SETUPS}
+    return [pytest.param(*p.values, id=p.id, marks=[*p.marks, *(
+        [pytest.mark.xfail(strict=True, reason=rows[p.id].known_bug)] if rows[p.id].known_bug else [])])
+        for p in harness.params(STEP_SETUPS, device)]
+
+
+@pytest.mark.parametrize("setup", _step_params("cpu"))
+def test_whole_step_rows_on_cpu(setup):
+    _check_step_row(setup, "cpu")
+
+
+@pytest.mark.parametrize("setup", _step_params("cuda"))
+def test_whole_step_rows_on_gpu(setup):
+    _check_step_row(setup, "cuda")
