@@ -39,6 +39,14 @@ builds megatron-core's own modules instead of TE's (with ``--fusion 0``), and
 
     torchrun --nproc-per-node 2 -m examples.megatron_gpt --pipeline-parallel 2 --out /tmp/run.pt
 
+``--graphs te_graph_step`` graphs the whole step instead, through megatron-core's own
+schedule: every microbatch's forward and backward, DDP's accumulation into ``main_grad`` and
+its reduction, and the plain SGD step, as one graph
+(``te_graph.integrations.megatron.make_graphed_train_step``; Megatron's optimizer steps
+eagerly after it)::
+
+    python -m examples.megatron_gpt --graphs eager,te_graph_step --dropout 0.1 --recompute full
+
 ``--experts N`` makes every MLP megatron-core's ``MoELayer`` (TE grouped GEMM, alltoall
 dispatcher; dropless, or drop-and-pad with ``--capacity``); ``--graph-modules`` is the
 helper's ``cuda_graph_modules`` (``attn,moe_router,moe_preprocess`` graphs each layer up to
@@ -123,8 +131,11 @@ class RunConfig:
     # "experts": the experts alone; "dispatch": refuse a layer whose dispatch cannot go in
     moe_span: str = "auto"
     # "eager", "te_graph" (the helper, te_graph's graphs), "te_graph_replay" (te_graph's eager
-    # replay) or "te" (the helper, Transformer Engine's graphs)
+    # replay), "te" (the helper, Transformer Engine's graphs), "te_graph_step" (the whole step as
+    # one graph: te_graph.integrations.megatron.make_graphed_train_step, plain SGD inside it,
+    # Megatron's optimizer eagerly after it) or "te_graph_step_replay" (its eager replay)
     graphs: str = "te_graph"
+    step_verify: bool = False  # te_graph_step: te_graph's verifier compares every step with the eager one
     steps: int = 4
     warmup_steps: int = 1  # eager steps before the helper makes the graphs
     # Before this step (0: never), delete the graphs (the helper's delete_cuda_graphs, which
@@ -338,7 +349,8 @@ def train(cfg: RunConfig) -> dict:
                          "--experts.")
     setup_process(cfg)
     integration.disable()
-    if cfg.graphs in ("te_graph", "te_graph_replay"):
+    whole = cfg.graphs in WHOLE_STEP
+    if cfg.graphs in ("te_graph", "te_graph_replay") or whole:
         integration.enable()
     elif cfg.recompute != "none" and cfg.graphs == "eager":
         integration.enable(recompute=True)  # the eager reference recomputes exactly too
@@ -348,7 +360,13 @@ def train(cfg: RunConfig) -> dict:
         return TECudaGraphHelper(model=model, config=config, seq_length=cfg.seq, micro_batch_size=cfg.micro_batch,
                                  optimizers=[optimizer] if optimizer is not None else [])
 
-    helper = new_helper() if cfg.graphs != "eager" else None
+    helper = new_helper() if cfg.graphs != "eager" and not whole else None
+    graphed_step = None
+
+    def sgd() -> None:
+        with torch.no_grad():
+            for p in params:  # plain SGD on main_grad, in place
+                p.add_(p.main_grad.to(p.dtype), alpha=-cfg.lr)
     step_fn = get_forward_backward_func()
     # One iterator per model chunk (the interleaved schedule takes a list), each over the same
     # batches: the first chunk reads the tokens, the last the labels.
@@ -358,7 +376,17 @@ def train(cfg: RunConfig) -> dict:
     dropless: list = []
     for step in range(cfg.steps):
         event = graph_event(cfg, step)
-        if event == "make":
+        if event is not None and whole:
+            if graphed_step is not None:
+                graphed_step.reset()
+            started = time.perf_counter()
+            graphed_step = _graph_step(cfg, model, sgd if optimizer is None else None)
+            torch.cuda.synchronize()
+            record.setdefault("capture_s", time.perf_counter() - started)
+            record["graphed_with"] = type(graphed_step).__module__
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        elif event == "make":
             started = time.perf_counter()
             dropless = _make_graphs(cfg, model, helper)
             torch.cuda.synchronize()
@@ -372,7 +400,7 @@ def train(cfg: RunConfig) -> dict:
             helper.delete_cuda_graphs()
             helper = new_helper()  # megatron-core 0.19's helper captures once (_capture_finished stays set)
             dropless = _make_graphs(cfg, model, helper)
-        for chunk in model:
+        for chunk in model if graphed_step is None else ():  # the graphed step zeroes them itself
             chunk.zero_grad_buffer()
         if optimizer is not None:
             optimizer.zero_grad()
@@ -382,9 +410,12 @@ def train(cfg: RunConfig) -> dict:
             torch.distributed.barrier(device_ids=[torch.cuda.current_device()])
         torch.cuda.synchronize()
         started = time.perf_counter()
-        out = step_fn(forward_step_func=_forward_step, data_iterator=data, model=model,
-                      num_microbatches=cfg.microbatches, seq_length=cfg.seq, micro_batch_size=cfg.micro_batch,
-                      forward_only=False)
+        if graphed_step is not None:
+            out = graphed_step(data)
+        else:
+            out = step_fn(forward_step_func=_forward_step, data_iterator=data, model=model,
+                          num_microbatches=cfg.microbatches, seq_length=cfg.seq, micro_batch_size=cfg.micro_batch,
+                          forward_only=False)
         paused, main_grads = 0.0, None
         if optimizer is not None:
             # Its gradient clipping may scale main_grad in place: keep a copy first, off the
@@ -395,10 +426,8 @@ def train(cfg: RunConfig) -> dict:
             torch.cuda.synchronize()
             paused = time.perf_counter() - pause
             optimizer.step()  # fp32 main weights, copied into the model's weights in place
-        else:
-            with torch.no_grad():
-                for p in params:  # plain SGD on main_grad, in place
-                    p.add_(p.main_grad.to(p.dtype), alpha=-cfg.lr)
+        elif graphed_step is None:  # else the graph stepped
+            sgd()
         torch.cuda.synchronize()
         record["step_ms"].append((time.perf_counter() - started - paused) * 1e3)
         # The losses, on the last pipeline stage (the others record an empty tensor).
@@ -419,9 +448,30 @@ def train(cfg: RunConfig) -> dict:
             d.remove()
     if helper is not None:
         helper.delete_cuda_graphs()
+    if graphed_step is not None:
+        graphed_step.reset()
     te_graph.reset()
     integration.disable()
     return record
+
+
+WHOLE_STEP = ("te_graph_step", "te_graph_step_replay")
+
+
+def _graph_step(cfg: RunConfig, model: list, update: Any) -> Any:
+    """The whole step as one graph (``make_graphed_train_step``), captured on batches of the
+    run's shapes (a generator of their own: the run's data is not consumed); ``update``: the
+    plain SGD step inside the graph (None: Megatron's optimizer, eagerly after each call)."""
+    from te_graph.integrations.megatron import make_graphed_train_step  # noqa: PLC0415
+
+    if len(model) > 1:
+        raise ValueError("--graphs te_graph_step graphs forward_backward_no_pipelining: one model chunk.")
+    sample = _batches(cfg)
+    return make_graphed_train_step(_forward_step, model, [next(sample) for _ in range(cfg.microbatches)],
+                                   num_microbatches=cfg.microbatches, seq_length=cfg.seq,
+                                   micro_batch_size=cfg.micro_batch, update=update,
+                                   eager_replay=cfg.graphs == "te_graph_step_replay",
+                                   verify=True if cfg.step_verify else None)
 
 
 def graph_event(cfg: RunConfig, step: int) -> Optional[str]:
@@ -567,7 +617,7 @@ def rank_path(path: str, rank: int, world: int) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--graphs", default="eager,te_graph", help="comma-separated: eager, te_graph, te")
+    p.add_argument("--graphs", default="eager,te_graph", help="comma-separated: eager, te_graph, te_graph_replay, te, te_graph_step, te_graph_step_replay")
     for field, default in asdict(RunConfig()).items():
         if field == "graphs":
             continue

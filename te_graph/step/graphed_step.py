@@ -34,6 +34,7 @@ from ..capture.graphs import capturing
 from ..capture.host_state import HostState
 from ..capture.recompute_rng import ForwardDraws, RecomputeRNG
 from ..guards.frozen import FrozenModule
+from ..guards.outside import OutsideReads
 from ..guards.reads import ForwardReads, reads_recorded
 from ..guards.settings import Settings
 from ..extension import SEAM
@@ -88,7 +89,7 @@ class GraphedStep:
         self.tracker, self.eager_replay = tracker, eager_replay
         self.static_inputs = tuple(t.detach() for t in layout.samples)
         self.slots = tuple(map(Slot, self.static_inputs))
-        self.params = [p for m in self.modules for p in m.parameters()]
+        self.params = [p for m in self.modules for p in torch.nn.Module.parameters(m)]
         self.graph: Any = None
         self.outputs: Optional[OutputLayout] = None
         self.handout: Optional[GraphOutputs] = None
@@ -99,6 +100,7 @@ class GraphedStep:
         self._groups = _optimizer_groups(optimizer)
         self._frozen: list[FrozenModule] = []
         self._settings: Optional[Settings] = None
+        self._outside: Optional[OutsideReads] = None
 
     # -- making it --------------------------------------------------------------------
     def prepare(self, num_warmup_iters: int, pool: Any) -> None:
@@ -107,15 +109,18 @@ class GraphedStep:
         device_type = self.static_inputs[0].device.type if self.static_inputs else "cuda"
         host = HostState(device_type)
         known = self.static_inputs + tuple(self.params) + tuple(state.buffers) + tuple(
-            t for t, _ in state.optimizer_state) + tuple(g for g, _ in state.grads if g is not None)
+            t for t, _ in state.optimizer_state) + tuple(g for g, _ in state.grads if g is not None) + tuple(
+            state.main_grad_tensors())
         gc_enabled, succeeded = gc.isenabled(), False
         stream = None if self.eager_replay else RESOURCES.capture_stream()
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream())
         gc.disable()
         try:
+            # torch's own checkpoint is routed in eager replay too: the host watcher takes its
+            # recompute's fork_rng for a reseed, and the routed recompute restores the same streams.
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext(), \
-                    torch_checkpoint_routed() if not self.eager_replay else contextlib.nullcontext():
+                    torch_checkpoint_routed():
                 draws = None
                 for iteration in range(num_warmup_iters):
                     first, last = iteration == 0, iteration == num_warmup_iters - 1
@@ -127,6 +132,7 @@ class GraphedStep:
                     if first and outputs is not None:
                         self.outputs = OutputLayout(_NAME, outputs).without_memory()
                     del outputs
+                self.reads.check_per_call(_NAME)
                 state.restore()
                 if not self.eager_replay:
                     self._capture(draws.close(), pool)
@@ -138,11 +144,13 @@ class GraphedStep:
             if gc_enabled:
                 gc.enable()
             host.restore()
+            self.reads.put_back()
             rng.restore_streams(self.tracker, state.streams)
             if not succeeded:
                 state.restore()
         self._frozen = [FrozenModule(m, frozenset(), SEAM.keeps_own_state, False, self.reads) for m in self.modules]
         self._settings = Settings(device_type)
+        self._outside = OutsideReads.of(self.reads)
 
     def _live(self) -> dict:
         return rng.live_stream_generators(self.tracker, torch.device("cuda", torch.cuda.current_device()))
@@ -209,6 +217,8 @@ class GraphedStep:
         for frozen in self._frozen:
             if not frozen.matches():
                 found += frozen.changes()
+        if self._outside is not None and not self._outside.matches():
+            found += self._outside.changes()
         if _optimizer_groups(self.optimizer) != self._groups:
             found.append("the optimizer's hyperparameters (a param_group's lr, betas, weight_decay, ...) changed; "
                          "a step's graph bakes in the values of capture (give the optimizer a tensor lr, "
@@ -221,17 +231,22 @@ class GraphedStep:
         """One step through the graph and the same step eagerly from the same state,
         compared bitwise; the graph's result is what stays."""
         before = StepState(self.modules, self.optimizer, self.tracker)
-        outputs = self._step()
-        of = self.outputs.tensors_of if self.outputs is not None else (lambda _: ())
-        graphed = [(f"output {i}", t.detach().clone()) for i, t in enumerate(of(outputs))]
-        after = StepState(self.modules, self.optimizer, self.tracker)
-        graphed += after.named()
-        before.restore()
-        with torch.enable_grad():
-            eager_outputs = self._run()
-        eager = [(f"output {i}", t.detach()) for i, t in enumerate(of(eager_outputs))]
-        eager += after.named()  # the same tensors, now holding the eager step's values
-        after.restore()
+        # The precision's state (FP8 meta), which StepState does not hold: as before the step
+        # for the eager shadow, then as the graph's step left it.
+        with contextlib.ExitStack() as graph_left:
+            with SEAM.precision.kept(self.modules):
+                outputs = self._step()
+                of = self.outputs.tensors_of if self.outputs is not None else (lambda _: ())
+                graphed = [(f"output {i}", t.detach().clone()) for i, t in enumerate(of(outputs))]
+                after = StepState(self.modules, self.optimizer, self.tracker)
+                graphed += after.named()
+                graph_left.enter_context(SEAM.precision.kept(self.modules))
+            before.restore()
+            with torch.enable_grad():
+                eager_outputs = self._run()
+            eager = [(f"output {i}", t.detach()) for i, t in enumerate(of(eager_outputs))]
+            eager += after.named()  # the same tensors, now holding the eager step's values
+            after.restore()
         for p, g in zip(self.params, self.static_grads or [p.grad for p in self.params]):
             p.grad = g
         found = differences([(what, a, b) for (what, a), (_, b) in zip(graphed, eager)])

@@ -1,5 +1,6 @@
 """megatron-core under te_graph's graphs: its helper's path (``helper``: :func:`enable`,
-:func:`disable`) and dropless MoE layers in capacity graphs (``moe``). Registered with the
+:func:`disable`), its whole training step as one graph (``step``:
+:func:`make_graphed_train_step`) and dropless MoE layers in capacity graphs (``moe``). Registered with the
 engine's seam (``te_graph.extension``) on import; megatron-core is imported only when used."""
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import torch
 from ...extension import Extension, register
 from . import helper
 from .helper import checkpoint, disable, enable, enabled, submodules_run_eagerly, te_checkpoint
+from .step import GraphedTrainStep, make_graphed_train_step
 
-__all__ = ["Megatron", "enable", "disable", "enabled", "checkpoint", "te_checkpoint", "submodules_run_eagerly"]
+__all__ = ["Megatron", "enable", "disable", "enabled", "checkpoint", "te_checkpoint", "submodules_run_eagerly",
+           "make_graphed_train_step", "GraphedTrainStep"]
 
 
 class Megatron(Extension):

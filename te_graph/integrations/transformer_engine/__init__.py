@@ -34,19 +34,32 @@ class FP8Precision(Precision):
 
     @contextlib.contextmanager
     def kept(self, modules_: Sequence[Any]) -> Iterator[None]:
-        """TE's FP8 meta of ``modules_`` (amax history, scales) put back on exit, as its
-        graphs save and restore it around warmup (TE 2.20 ``graph.py``)."""
+        """TE's FP8 meta of ``modules_`` (scales, amax histories) put back on exit. Read and
+        written through each module's own accessors: TE's ``save_fp8_tensors`` also resets
+        the recipe state of its fusible operations, after which their saved meta no longer
+        loads (megatron-core's models, even in bf16)."""
         if not modules_ or modules.te_loaded() is None:
             yield
             return
-        from transformer_engine.pytorch import graph as te_graph_module  # noqa: PLC0415 - TE only when used
-        from transformer_engine.pytorch.quantization import FP8GlobalStateManager  # noqa: PLC0415
+        from transformer_engine.pytorch.module.base import TransformerEngineBaseModule  # noqa: PLC0415
+        from transformer_engine.pytorch.ops.op import BasicOperation  # noqa: PLC0415
 
-        saved = te_graph_module.save_fp8_tensors(list(modules_), FP8GlobalStateManager.get_fp8_recipe())
+        saved = []
+        for top in modules_:
+            for m in top.modules():
+                if isinstance(m, TransformerEngineBaseModule):
+                    state = m.get_fp8_meta_tensors()
+                    if state is not None:
+                        saved.append((m.reset_fp8_meta_tensors, state))
+                elif isinstance(m, BasicOperation):
+                    state = m._save_fp8_metas()
+                    if state is not None:
+                        saved.append((m._load_fp8_metas, state))
         try:
             yield
         finally:
-            te_graph_module.restore_fp8_tensors(list(modules_), saved)
+            for load, state in saved:
+                load(state)
 
 
 class TransformerEngine(Extension):
