@@ -6,8 +6,9 @@ between. A refusal here would be a false positive: these layers train exactly.
 
 Rows of tests/harness.py (layer, attention, input grad), compared as its traces. On the CPU
 the graphed side is eager replay (the graphs' mirror); on a GPU the same cases run with
-graphs and with eager replay. Skipped where ``transformers`` is not installed
-(``pip install -e ".[test]"`` installs it).
+graphs and with eager replay. Every case runs a second time verified (``-verified``,
+tests/test_verify_rows.py): the runtime verifier checks every graphed call and finds nothing.
+Skipped where ``transformers`` is not installed (``pip install -e ".[test]"`` installs it).
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import te_graph
 from tests import harness
 from tests.graph_helpers import weighted_loss
 from tests.harness import Trace
+from tests.test_verify_rows import VERIFIED, and_verified, verifying
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
                                 reason='needs Hugging Face transformers: pip install -e ".[test]"')
@@ -110,10 +112,15 @@ def _train(layer: torch.nn.Module, call: Callable, keywords: dict, inputs: list[
 
 
 @pytest.mark.parametrize("device, mode", MODES)
-@pytest.mark.parametrize("row", ROWS, ids=str)
-def test_hf_layer_trains_as_eager(row, device, mode):
+@pytest.mark.parametrize("row, verified", and_verified([pytest.param(row, id=row.id) for row in ROWS]))
+def test_hf_layer_trains_as_eager(row, verified, device, mode, monkeypatch):
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
+    with verifying(verified, monkeypatch):
+        _layer_trains_as_eager(row, device, mode)
+
+
+def _layer_trains_as_eager(row: HFRow, device: str, mode: str) -> None:
     device = torch.device(device)
     kind, input_grad = row.kind, row.input_grad
     make, keywords_for = LAYERS[kind](row.attention)
@@ -139,12 +146,18 @@ def test_hf_layer_trains_as_eager(row, device, mode):
                         f"{kind}, after the validation pass")
 
 
+@pytest.mark.parametrize("verified", VERIFIED)
 @pytest.mark.parametrize("device, mode", MODES)
-def test_hf_layers_graphed_together_train_as_eager(device, mode):
+def test_hf_layers_graphed_together_train_as_eager(device, mode, verified, monkeypatch):
     """Two Llama decoder layers as two callables of one make_graphed_callables call (one
     pool), chained as a model chains them, each with the model's rotary embeddings."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
+    with verifying(verified, monkeypatch):
+        _graphed_together_train_as_eager(device, mode)
+
+
+def _graphed_together_train_as_eager(device: str, mode: str) -> None:
     device = torch.device(device)
     make, keywords_for = _llama("sdpa")
     torch.manual_seed(0)

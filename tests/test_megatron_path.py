@@ -6,7 +6,9 @@ over 4 microbatches) and its ``TECudaGraphHelper`` making the graphs after one e
 with ``te_graph.integrations.megatron.enable()`` (examples/megatron_gpt.py). Each setup runs
 eagerly, with te_graph's graphs and with te_graph's eager replay, in one fresh process, and
 every step's losses, ``main_grad`` buffers and weights after the optimizer step are compared
-bitwise. The setups: dropout, gradient-accumulation fusion, FP8, full and selective recompute
+bitwise; some setups run verified too (``VERIFIED_SETUPS``: the runtime verifier checks
+every graphed call, finds nothing, and the run still trains as eager). The setups: dropout,
+gradient-accumulation fusion, FP8, full and selective recompute
 (both refused by Megatron with per-layer graphs; full recompute in bf16 and FP8), DDP's overlapped gradient reduction with
 Megatron's optimizer, the distributed optimizer with overlapped parameter gathers (DDP's
 forward pre-hooks run by the helper before each replay), megatron-core's own modules
@@ -37,6 +39,7 @@ from tests import harness
 from tests.graph_helpers import require
 from tests.harness import EAGER, EAGER_REPLAY, GRAPHED, GRAPHS, Trace
 from tests.multi_gpu_helpers import fresh_process_env
+from tests.test_verify_rows import VERIFY_EVERY_CALL, and_verified
 
 require("te_graph.integrations.megatron", "megatron-core's integration")
 
@@ -132,26 +135,60 @@ def _trace(record: dict) -> Trace:
     return Trace(outputs=record["losses"], main_grads=record["main_grads"], weights=record["weights"])
 
 
+# The example verified, in its process: every call of te_graph's graphed callables checked
+# against its eager shadow (TE_GRAPH_VERIFY in the environment; a difference raises), and the
+# number of verified forwards and backwards printed.
+_VERIFIED = """
+import sys
+from examples import megatron_gpt
+from tests.test_verify_rows import shadows_counted
+
+with shadows_counted() as counts:
+    megatron_gpt.main(sys.argv[1:])
+print("VERIFIED", counts["forwards"], counts["backwards"])
+"""
+
+
 def _example(tmp_path, setup: list[str], graphs: str = "eager,te_graph,te_graph_replay",
-             ranks: int = 1) -> subprocess.CompletedProcess:
-    """The example in a fresh process on this worker's GPU, or under torchrun on ``ranks`` GPUs."""
+             ranks: int = 1, verified: bool = False) -> subprocess.CompletedProcess:
+    """The example in a fresh process on this worker's GPU, or under torchrun on ``ranks``
+    GPUs; ``verified``: one process, every graphed call verified (``_VERIFIED``)."""
     arguments = ["--graphs", graphs, "--steps", "4", "--layers", "2", "--hidden", "256", "--heads", "4", "--seq", "128",
                  *setup, "--out", str(tmp_path / "records.pt")]
-    return subprocess.run(megatron_gpt.command(arguments, ranks), cwd=ROOT, env=fresh_process_env(ranks),
-                          capture_output=True, text=True, timeout=900)
+    env = fresh_process_env(ranks)
+    command = megatron_gpt.command(arguments, ranks)
+    if verified:
+        assert ranks == 1, "the verified example runs in one process"
+        env["TE_GRAPH_VERIFY"] = VERIFY_EVERY_CALL
+        command = [sys.executable, "-c", _VERIFIED, *arguments]
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
 
 
-def _run(tmp_path, setup: list[str], ranks: int = 1, graphs: str = "eager,te_graph,te_graph_replay") -> list[dict]:
-    """Each rank's records (one entry per rank)."""
+def _run(tmp_path, setup: list[str], ranks: int = 1, graphs: str = "eager,te_graph,te_graph_replay",
+         verified: bool = False) -> list[dict]:
+    """Each rank's records (one entry per rank); ``verified``: after verified forwards and
+    backwards, none of which differed."""
     os.makedirs(tmp_path, exist_ok=True)
-    done = _example(tmp_path, setup, graphs, ranks=ranks)
+    done = _example(tmp_path, setup, graphs, ranks=ranks, verified=verified)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    if verified:
+        counts = re.search(r"^VERIFIED (\d+) (\d+)$", done.stdout, re.MULTILINE)
+        assert counts and int(counts.group(1)) > 0 and int(counts.group(2)) > 0, done.stdout[-2000:]
     return [torch.load(megatron_gpt.rank_path(str(tmp_path / "records.pt"), rank, ranks)) for rank in range(ranks)]
 
 
-@pytest.mark.parametrize("setup", rows(SETUPS))
-def test_megatron_helper_with_te_graph_trains_as_eager(tmp_path, setup):
-    _assert_trains_as_eager(_run(tmp_path, list(setup.args))[0], setup.id)
+# Setups that also run verified (``-verified``, tests/test_verify_rows.py): gradient-accumulation
+# fusion into DDP's main_grad, FP8 delayed scaling with full recompute, DDP's overlapped
+# reduction with Megatron's optimizer, the distributed optimizer's parameter gathers,
+# megatron-core's own modules, rotary embeddings, and MoE graphed up to token dispatch.
+VERIFIED_SETUPS = {"bf16-dropout-fusion", "fp8-delayed-full-recompute-dropout",
+                   "overlap-grad-reduce-megatron-optimizer", "distributed-optimizer-overlap-param-gather",
+                   "local-spec-dropout", "rope-dropout", "moe-dropless-attn-router-preprocess"}
+
+
+@pytest.mark.parametrize("setup, verified", and_verified(rows(SETUPS), only=VERIFIED_SETUPS))
+def test_megatron_helper_with_te_graph_trains_as_eager(tmp_path, setup, verified):
+    _assert_trains_as_eager(_run(tmp_path, list(setup.args), verified=verified)[0], setup.id)
 
 
 def _assert_trains_as_eager(records: dict, setup: str) -> None:

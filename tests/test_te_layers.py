@@ -6,7 +6,9 @@ through te_graph's eager replay and through CUDA graphs, from the same seeds, an
 the traces bitwise: outputs, input grads, parameter grads at every step, weights after the
 steps, and the FP8 meta of every module (amax history and scales). Rows cover bf16
 parameters and FP8 primary weights (``te.quantized_model_init``), whose SGD step
-re-quantizes them in place.
+re-quantizes them in place. Every row of ``SETUPS``, ``WGRAD_SETUPS`` and the
+gradient-accumulation fusion runs a second time verified (``-verified``,
+tests/test_verify_rows.py): the runtime verifier checks every graphed call and finds nothing.
 
 Needs a GPU, Transformer Engine (``pip install -e ".[te]"``; on this project's GPU machine,
 ``source .te/setup.sh``) and te_graph's integration of it; skipped otherwise. TE is imported
@@ -30,6 +32,7 @@ from _pipeline import interleaved_1f1b_order, run_order, with_wgrad_passes
 from tests import harness
 from tests.graph_helpers import require, weighted_loss
 from tests.harness import EAGER, GRAPHED, GRAPHS, Trace
+from tests.test_verify_rows import and_verified, verifying
 
 require("te_graph.integrations.transformer_engine", "Transformer Engine's integration")
 
@@ -354,10 +357,11 @@ def _skip_unsupported(setup: TESetup) -> None:
         pytest.skip(f"{setup.recipe} scaling does not run here: {error}")
 
 
-@pytest.mark.parametrize("setup", SETUPS, ids=str)
-def test_te_graphs_and_eager_replay_equal_eager_te(setup):
+@pytest.mark.parametrize("setup, verified", and_verified([pytest.param(s, id=s.id) for s in SETUPS]))
+def test_te_graphs_and_eager_replay_equal_eager_te(setup, verified, monkeypatch):
     _skip_unsupported(setup)
-    harness.differential(lambda mode: train(setup, mode), GRAPHED["cuda"], setup.id)
+    with verifying(verified, monkeypatch, backward=not setup.eval):
+        harness.differential(lambda mode: train(setup, mode), GRAPHED["cuda"], setup.id)
 
 
 def test_the_backward_amax_reduction_replays_as_one_graph(monkeypatch):
@@ -635,10 +639,11 @@ def train_wgrad(setup: WgradSetup, mode: str, steps: int = 3) -> Trace:
     return trace
 
 
-@pytest.mark.parametrize("setup", WGRAD_SETUPS, ids=str)
-def test_split_weight_gradients_equal_eager_te_by_hand(setup):
+@pytest.mark.parametrize("setup, verified", and_verified([pytest.param(s, id=s.id) for s in WGRAD_SETUPS]))
+def test_split_weight_gradients_equal_eager_te_by_hand(setup, verified, monkeypatch):
     _skip_unsupported(TESetup("probe", recipe=setup.recipe))
-    harness.differential(lambda mode: train_wgrad(setup, mode), GRAPHED["cuda"], setup.id)
+    with verifying(verified, monkeypatch):
+        harness.differential(lambda mode: train_wgrad(setup, mode), GRAPHED["cuda"], setup.id)
 
 
 @pytest.mark.parametrize("mode", GRAPHED["cuda"])
@@ -796,10 +801,11 @@ def _fused_run(kind: str, mode: str) -> Trace:
 
 
 @pytest.mark.parametrize("mode", GRAPHED["cuda"])
-@pytest.mark.parametrize("kind", ["ln_linear", "ln_mlp"])
-def test_gradient_accumulation_fusion_equals_eager_te(kind, mode):
+@pytest.mark.parametrize("kind, verified", and_verified([pytest.param(k, id=k) for k in ("ln_linear", "ln_mlp")]))
+def test_gradient_accumulation_fusion_equals_eager_te(kind, verified, mode, monkeypatch):
     """TE modules that accumulate weight gradients into main_grad inside their kernels, under
     a Megatron-DDP-style hook: main_grad, the flag, input grads and weights after SGD steps
-    bitwise as eager TE's; warmup leaves main_grad as it was."""
-    want, got = _fused_run(kind, EAGER), _fused_run(kind, mode)
+    bitwise as eager TE's; warmup leaves main_grad as it was (and, verified, the shadows)."""
+    with verifying(verified, monkeypatch):
+        want, got = _fused_run(kind, EAGER), _fused_run(kind, mode)
     harness.assert_same(got, want, f"{kind} {mode}")

@@ -15,7 +15,7 @@ from ..replay.graphed import GraphedCallable
 from ..resources import graphed_callable_of
 from .compare import differences, report
 from .options import Schedule, Verify
-from .shadow import ModuleSnapshot, Shadow
+from .shadow import ModuleSnapshot, Shadow, arguments_before
 
 __all__ = ["VerifiedCallable", "verify"]
 
@@ -35,8 +35,9 @@ class VerifiedCallable(GraphedCallable):
         if runner is None:
             return self._unseen(args, kwargs, tensors)
         before = ModuleSnapshot(runner.spec.func, runner.tracker)
+        copied = arguments_before(args, kwargs)
         outputs = run(runner, tensors, first, through_autograd=runner.replays_graphs and bool(runner.params))
-        shadow = Shadow(runner, args, kwargs, first, before)
+        shadow = Shadow(runner, *copied, first, before)
         found = differences([(f"output {i}", o, e) for i, (o, e) in enumerate(zip(outputs, shadow.outputs))])
         if found:
             self._mismatch(report(self.__name__, found, "output"), found)
@@ -52,26 +53,35 @@ class VerifiedCallable(GraphedCallable):
 
     def _check_backward(self, runner: Any, tensors: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
                         shadow: Shadow) -> None:
-        """When the call's backward has run, compare its gradients with the shadow's."""
+        """When the call's backward runs: the shadow's backward first, from the same incoming
+        gradients and random state (when eager code's would run: before the graph's backward
+        changes anything, such as the FP8 scales the first FP8 call's backward updates), then
+        the graph's, then the comparison of their gradients."""
         node = next((o.grad_fn for o in outputs if o.requires_grad and o.grad_fn is not None), None)
         if node is None:
             return
         count = len(tensors)
+        eager: list = []
+
+        def shadow_backward(grad_outputs: tuple) -> None:
+            first.remove()
+            eager.append(shadow.backward(grad_outputs))
 
         def compare(grad_inputs: tuple, grad_outputs: tuple) -> None:
-            handle.remove()
-            inputs, params = shadow.backward(grad_outputs)
+            second.remove()
+            inputs, params = eager.pop()
             named = [(f"gradient of input {i}", g, e) for i, (g, e) in enumerate(zip(grad_inputs[:count], inputs))
                      if tensors[i].requires_grad]
             graphed_params = grad_inputs[count:count + len(runner.params)] if runner.replays_graphs else ()
-            names = _parameter_names(runner)
+            names, skipped = _parameter_names(runner), _not_compared(runner)
             named += [(f"gradient of parameter {names.get(id(p), tuple(p.shape))!r}", g, e)
-                      for p, g, e in zip(runner.params, graphed_params, params) if "main_grad" not in p.__dict__]
+                      for p, g, e in zip(runner.params, graphed_params, params) if id(p) not in skipped]
             found = differences(named)
             if found:
                 self._mismatch(report(self.__name__, found, "gradient"), found)
 
-        handle = node.register_hook(compare)
+        first = node.register_prehook(shadow_backward)
+        second = node.register_hook(compare)
 
     def _mismatch(self, text: str, found: list) -> None:
         options = self._verification.options
@@ -94,6 +104,17 @@ class EagerAfterMismatch(VerifiedCallable):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         kwargs.pop("is_first_microbatch", None) if self._pops_first_microbatch else None
         return self._eager(*args, **kwargs)
+
+
+def _not_compared(runner: Any) -> set:
+    """Ids of the parameters whose gradients the backward does not give: those holding a
+    ``main_grad`` (the kernels accumulate into it; the shadow's is put back) and those a
+    ``backward_dw()`` pass sets (the backward leaves them alone or hands a placeholder)."""
+    params = runner.spec.params
+    skipped = {id(p) for p in params if "main_grad" in p.__dict__}
+    if getattr(runner, "wgrad", None) is not None:
+        skipped |= {id(params[i]) for per_module in runner.wgrad.sets for i, _ in per_module}
+    return skipped
 
 
 def _parameter_names(runner: Any) -> dict:

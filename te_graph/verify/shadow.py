@@ -3,7 +3,8 @@ inputs and from where the random streams and the module's buffers stood before t
 replayed, on stand-ins of its parameters (no hook of a real parameter runs, no ``.grad`` or
 ``main_grad`` takes anything), and then everything put back as the graph left it: buffers,
 Python attributes, random streams, the precision's state (Transformer Engine's FP8 meta).
-Its backward runs from the gradients the graph's backward got, in the same way."""
+Its backward runs, right before the graph's, from the gradients the graph's backward gets,
+in the same way; work it queues for a ``backward_dw()`` pass is dropped."""
 from __future__ import annotations
 
 import contextlib
@@ -15,10 +16,12 @@ import torch.utils._pytree as pytree
 import rng
 
 from ..capture.parameters import StandIns
+from ..capture.wgrad import delayed_modules_in, delayed_wgrad_modules
 from ..extension import SEAM
 from ..grads import grads_redirected
+from ..replay.eager_runner import takes_keyword
 
-__all__ = ["ModuleSnapshot", "Shadow"]
+__all__ = ["ModuleSnapshot", "Shadow", "arguments_before"]
 
 
 class ModuleSnapshot:
@@ -47,6 +50,24 @@ class ModuleSnapshot:
 
 
 @contextlib.contextmanager
+def _own_wgrad_queues(modules: Sequence[Any]) -> Iterator[None]:
+    """Inside: the queues of modules that delay their weight gradients to ``backward_dw()``
+    (Transformer Engine's ``delay_wgrad_compute=True``) hold only what the shadow's backward
+    queues, which is dropped on exit; the work queued before (eager replay's, the user's)
+    is back in its place, so the next ``backward_dw()`` takes what it would have taken."""
+    queues = [q for q in (SEAM.queued_wgrad(m) for m in modules) if q is not None]
+    held = [(q, list(q)) for q in queues]
+    for q in queues:
+        q.clear()
+    try:
+        yield
+    finally:
+        for q, work in held:
+            q.clear()
+            q.extend(work)
+
+
+@contextlib.contextmanager
 def _main_grads_kept(params: Sequence[torch.Tensor]) -> Iterator[None]:
     """Inside: kernels that accumulate into ``main_grad`` (through the stand-ins, which share
     it) leave it, and its flag, as they were."""
@@ -66,21 +87,30 @@ def _copy(value: Any) -> Any:
     return value.detach().clone().requires_grad_(value.requires_grad) if isinstance(value, torch.Tensor) else value
 
 
+def arguments_before(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Copies of a call's tensors, taken before the graph runs: an input the callable
+    updates in place (a cache, a counter) reaches the shadow as eager code got it."""
+    return pytree.tree_map(_copy, (tuple(args), dict(kwargs)))
+
+
 class Shadow:
-    """The eager run of one call of ``runner`` with the call's own ``args`` and ``kwargs``."""
+    """The eager run of one call of ``runner`` with the call's own ``args`` and ``kwargs``
+    (``arguments_before``)."""
 
     def __init__(self, runner: Any, args: tuple, kwargs: dict, first_microbatch: Any, before: ModuleSnapshot):
         spec = runner.spec
         self.spec = spec
+        self.tracker = before.tracker
         module = spec.func if isinstance(spec.func, torch.nn.Module) else None
         self.params = tuple(runner.params)
         self.stand_ins = StandIns([module], only=spec.params) if module is not None and spec.params else None
-        # The call's own arguments (copies of its tensors), as eager code gets them.
-        args, kwargs = pytree.tree_map(_copy, (tuple(args), dict(kwargs)))
+        kwargs = dict(kwargs)
         self.inputs = list(runner.layout.flatten(args, kwargs))  # in the order of the graph's inputs
         self.modules = runner.framework_modules
-        if first_microbatch is not None:
-            kwargs["is_first_microbatch"] = first_microbatch
+        delayed = delayed_modules_in([module] if module is not None else []) + list(delayed_wgrad_modules(self.modules))
+        self.delayed = list({id(m): m for m in delayed}.values())
+        if first_microbatch is not None and takes_keyword(spec.call, "is_first_microbatch"):
+            kwargs["is_first_microbatch"] = first_microbatch  # as eager replay passes it
         after = ModuleSnapshot(spec.func, before.tracker)
         before.restore()
         try:
@@ -94,13 +124,21 @@ class Shadow:
 
     def backward(self, grads: Sequence[Any]) -> tuple[list, list]:
         """The input and parameter gradients eager code computes from ``grads`` (the
-        gradients the call's outputs got): per input, per parameter of ``runner.params``."""
+        gradients the call's outputs got): per input, per parameter of ``runner.params``.
+        The random streams are as they were before on return (a recompute draws from them)."""
+        streams = rng.snapshot_streams(self.tracker)
+        try:
+            return self._backward(grads)
+        finally:
+            rng.restore_streams(self.tracker, streams)
+
+    def _backward(self, grads: Sequence[Any]) -> tuple[list, list]:
         pairs = [(o, g) for o, g in zip(self.outputs, grads) if g is not None and o.requires_grad]
         leaves = [t for t in self.inputs if t.requires_grad]
         stand = [s for s in self.stand_ins(self.params)] if self.stand_ins is not None else []
         targets = leaves + [s for s in stand if s is not None]
         with self._installed(), SEAM.precision.kept(self.modules), _main_grads_kept(self.params), \
-                grads_redirected(targets):
+                _own_wgrad_queues(self.delayed), grads_redirected(targets):
             if pairs:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
             inputs = [t.grad if t.requires_grad else None for t in self.inputs]

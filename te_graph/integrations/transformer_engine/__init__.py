@@ -34,32 +34,30 @@ class FP8Precision(Precision):
 
     @contextlib.contextmanager
     def kept(self, modules_: Sequence[Any]) -> Iterator[None]:
-        """TE's FP8 meta of ``modules_`` (scales, amax histories) put back on exit. Read and
-        written through each module's own accessors: TE's ``save_fp8_tensors`` also resets
-        the recipe state of its fusible operations, after which their saved meta no longer
-        loads (megatron-core's models, even in bf16)."""
+        """TE's delayed-scaling FP8 state of ``modules_`` (each scaling state's ``scale`` and
+        ``amax_history``, of modules and fusible operations) put back on exit. Read from the
+        state objects directly: TE's ``save_fp8_tensors`` resets fusible operations' recipe
+        state (their saved meta then no longer loads), and its accessors assume delayed
+        scaling where a current- or block-scaling state has no ``scale``."""
         if not modules_ or modules.te_loaded() is None:
             yield
             return
-        from transformer_engine.pytorch.module.base import TransformerEngineBaseModule  # noqa: PLC0415
-        from transformer_engine.pytorch.ops.op import BasicOperation  # noqa: PLC0415
-
         saved = []
         for top in modules_:
             for m in top.modules():
-                if isinstance(m, TransformerEngineBaseModule):
-                    state = m.get_fp8_meta_tensors()
-                    if state is not None:
-                        saved.append((m.reset_fp8_meta_tensors, state))
-                elif isinstance(m, BasicOperation):
-                    state = m._save_fp8_metas()
-                    if state is not None:
-                        saved.append((m._load_fp8_metas, state))
+                metas = [getattr(m, "fp8_meta", None)] + list((getattr(m, "_fp8_metas", None) or {}).values())
+                for meta in metas:
+                    for state in (meta.values() if isinstance(meta, dict) else ()):
+                        scale, history = getattr(state, "scale", None), getattr(state, "amax_history", None)
+                        if isinstance(scale, torch.Tensor) and isinstance(history, torch.Tensor):
+                            saved.append((scale, scale.clone(), history, history.clone()))
         try:
             yield
         finally:
-            for load, state in saved:
-                load(state)
+            with torch.no_grad():
+                for scale, scale_then, history, history_then in saved:
+                    scale.copy_(scale_then)
+                    history.copy_(history_then)
 
 
 class TransformerEngine(Extension):

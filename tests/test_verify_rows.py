@@ -1,0 +1,191 @@
+"""The runtime verifier on the differential harness's equal rows, and the switch that runs them verified.
+
+``and_verified`` gives a row table a second copy of its rows, id ``<row>-verified`` (``VERIFIED``:
+the switch alone, for a test without rows), which
+tests/test_parity.py, test_hf_layers.py, test_te_layers.py and test_megatron_path.py run
+inside ``verifying``: every call of every callable graphed in the row is verified
+(``TE_GRAPH_VERIFY`` set to more calls than any row makes; a difference raises, and a
+warning of the verifier is an error), and the row must still equal eager bitwise (the
+eager shadow leaves no trace) after at least one verified forward and backward. The rows
+that refuse are other tests, unchanged: verification does not change which setups refuse
+(``test_a_refusal_at_a_call_is_the_same_verified``).
+"""
+from __future__ import annotations
+
+import contextlib
+import re
+import warnings
+from typing import Any, Iterator, Optional
+
+import pytest
+import torch
+from torch import nn
+
+import te_graph
+from te_graph.verify.shadow import Shadow
+from tests import harness
+from tests.graph_helpers import weighted_loss
+from tests.harness import DEVICE_MODES, Trace, refused
+
+VERIFY_EVERY_CALL = "1000000"  # TE_GRAPH_VERIFY: the first calls verified, more than any row makes
+VERIFIER_WARNING = r"(?s).*te_graph's verifier"  # what every report of the verifier says
+VERIFIED = [pytest.param(False, id="verify-off"), pytest.param(True, id="verified")]  # ``verified`` alone
+
+
+def and_verified(params: list, only: Optional[set] = None) -> list:
+    """``params`` (pytest parameters of one value each) as ``(value, False)`` with their
+    ids, then those whose id is in ``only`` (default: all) as ``(value, True)``, id
+    ``<id>-verified``: the parameters of ``"<name>, verified"``."""
+    plain = [pytest.param(*p.values, False, id=p.id, marks=p.marks) for p in params]
+    return plain + [pytest.param(*p.values, True, id=f"{p.id}-verified", marks=p.marks) for p in params
+                    if only is None or p.id in only]
+
+
+@contextlib.contextmanager
+def shadows_counted() -> Iterator[dict]:
+    """Inside: ``counts["forwards"]`` and ``counts["backwards"]`` count the verifier's eager
+    shadows and their backwards (in this process), and a warning of the verifier is an error."""
+    counts = {"forwards": 0, "backwards": 0}
+    init, backward = Shadow.__init__, Shadow.backward
+
+    def counted_init(self: Shadow, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        counts["forwards"] += 1
+
+    def counted_backward(self: Shadow, grads: Any) -> Any:
+        counts["backwards"] += 1
+        return backward(self, grads)
+
+    Shadow.__init__, Shadow.backward = counted_init, counted_backward
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message=VERIFIER_WARNING)
+            yield counts
+    finally:
+        Shadow.__init__, Shadow.backward = init, backward
+
+
+@contextlib.contextmanager
+def verifying(verified: bool, monkeypatch: pytest.MonkeyPatch, backward: bool = True) -> Iterator[Optional[dict]]:
+    """With ``verified``: inside, every call of every callable graphed here is verified
+    (``TE_GRAPH_VERIFY``; a difference raises; ``shadows_counted``); on leaving, at least
+    one call was, and, with ``backward``, at least one backward. Without: nothing."""
+    if not verified:
+        yield None
+        return
+    monkeypatch.setenv("TE_GRAPH_VERIFY", VERIFY_EVERY_CALL)
+    with shadows_counted() as counts:
+        yield counts
+    assert counts["forwards"] > 0, "no call was verified: the row graphs nothing through TE_GRAPH_VERIFY"
+    assert counts["backwards"] > 0 or not backward, f"no backward was verified ({counts})"
+
+
+# -- the verifier's own rows -----------------------------------------------------------------------
+class Cache(nn.Module):
+    """Reads a running state passed in and updates it in place (a KV cache, a counter)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, cache):
+        y = self.lin(x) + cache
+        with torch.no_grad():
+            cache.mul_(0.5).add_(y.mean(dim=0))
+        return torch.tanh(y)
+
+
+def _cached_run(device: str, mode: str, calls: int = 3) -> Trace:
+    torch.manual_seed(0)
+    m = Cache().to(device)
+    cache = torch.zeros(8, device=device)
+    if mode != harness.EAGER:
+        te_graph.make_graphed_callables(m, (torch.randn(4, 8, device=device, requires_grad=True),
+                                            torch.zeros(8, device=device)),
+                                        eager_replay=harness.eager_replay(mode), verify=calls)
+    trace = Trace()
+    for i in range(calls):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i)).to(device).requires_grad_()
+        y = m(x, cache)
+        weighted_loss(y).backward()
+        trace.microbatch(y, x)
+        trace.updated_inputs.append(cache.clone())
+    trace.step(m.parameters())
+    return trace
+
+
+@pytest.mark.parametrize("device, eager_replay", DEVICE_MODES)
+def test_an_input_the_call_updates_in_place_reaches_the_shadow_as_the_call_got_it(device, eager_replay):
+    """The shadow runs from copies of the call's tensors taken before the graph ran: the
+    graph's update of the input in place is not the shadow's input, nor is the shadow's
+    update the caller's."""
+    mode = harness.EAGER_REPLAY if eager_replay else harness.GRAPHS
+    with shadows_counted() as counts:
+        harness.assert_same(_cached_run(device, mode), _cached_run(device, harness.EAGER), "verified, in place")
+    assert counts == {"forwards": 3, "backwards": 3}, counts
+
+
+class LiveRecompute(nn.Module):
+    """A checkpoint whose recompute draws its dropout from the live stream (no RNG state kept,
+    as Transformer Engine's checkpoint with graph-safe streams): what the backward computes
+    depends on when it runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def _body(self, x):
+        return nn.functional.dropout(self.lin(x), 0.5, self.training)
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self._body, x, use_reentrant=False, preserve_rng_state=False)
+
+
+def _live_run(mode: str) -> Trace:
+    torch.manual_seed(0)
+    m = LiveRecompute()
+    if mode != harness.EAGER:
+        te_graph.make_graphed_callables(m, (torch.randn(4, 8, requires_grad=True),),
+                                        eager_replay=harness.eager_replay(mode), verify=True)
+    torch.manual_seed(5)
+    trace = Trace()
+    for _ in range(3):
+        x = torch.randn(4, 8, requires_grad=True)
+        y = m(x)
+        weighted_loss(y).backward()
+        trace.microbatch(y, x)
+        trace.step(m.parameters())
+    return trace
+
+
+def test_the_shadows_backward_runs_when_eager_codes_would():
+    """The shadow's backward runs right before the graph's, from the same random state, and
+    leaves the streams as it found them: a backward drawing from the live stream finds
+    nothing, and the run equals eager (eager replay on the CPU, the graphs' mirror)."""
+    with shadows_counted() as counts:
+        harness.assert_same(_live_run(harness.EAGER_REPLAY), _live_run(harness.EAGER), "verified, live recompute")
+    assert counts == {"forwards": 3, "backwards": 3}, counts
+
+
+@pytest.mark.parametrize("device, eager_replay", DEVICE_MODES)
+def test_a_refusal_at_a_call_is_the_same_verified(device, eager_replay, monkeypatch):
+    """A call the guards refuse is refused verified too, with the same error, before the
+    graph or the shadow runs (nothing changed, no shadow made)."""
+    with verifying(True, monkeypatch, backward=False) as counts:
+        m, cache = Cache().to(device), torch.zeros(8, device=device)
+        te_graph.make_graphed_callables(m, (torch.randn(4, 8, device=device, requires_grad=True), cache.clone()),
+                                        eager_replay=eager_replay)
+        m(torch.randn(4, 8, device=device, requires_grad=True), cache)
+        m.lin.register_forward_hook(lambda *args: None)
+        x = torch.randn(4, 8, device=device, requires_grad=True)
+        with refused(RuntimeError, re.escape("callable 0 (Cache): since graphing, forward hooks on submodule 'lin' "
+                                             "changed (0 -> 1)"), m, x, cache):
+            m(x, cache)
+        assert counts["forwards"] == 1, counts
+
+
+def test_and_verified_adds_a_verified_copy_of_the_rows_named():
+    params = [pytest.param("a", id="a"), pytest.param("b", id="b", marks=pytest.mark.gpu)]
+    got = and_verified(params, only={"b"})
+    assert [(p.values, p.id) for p in got] == [(("a", False), "a"), (("b", False), "b"), (("b", True), "b-verified")]
+    assert got[2].marks == got[1].marks
