@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import sys
+import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
@@ -183,7 +184,8 @@ def reads_recorded(modules: Sequence[torch.nn.Module], reads: ForwardReads) -> I
             seen.add(id(obj))
             before = {k: kept(v) for k, v in vars(obj).items() if plain_value(v)}
             reads.objects[id(obj)] = (obj, before)
-            if not _swap(obj, swapped):  # a C type's instance (types.SimpleNamespace): all its plain values count
+            if not _swap(obj, swapped) and type(obj) is types.SimpleNamespace:
+                # Its C type takes no recording subclass, and it holds options only: all count.
                 reads.attributes.setdefault(id(obj), set()).update(before)
     profiler = sys.getprofile()
     noted = _GlobalsNoted(reads, excluded, profiler)
@@ -212,7 +214,7 @@ def _swap(obj: Any, swapped: list) -> bool:
     cls = type(obj)
     try:
         object.__setattr__(obj, "__class__", _recording_class(cls, lambda: _CURRENT[0]))
-    except (TypeError, AttributeError):  # a class that cannot be subclassed or swapped: its reads stay unknown
+    except Exception:  # a class that cannot be subclassed (a metaclass refuses) or swapped: its reads stay unknown
         return False
     swapped.append((obj, cls))
     return True
