@@ -122,16 +122,19 @@ class GraphedStep:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext(), \
                     torch_checkpoint_routed():
                 draws = None
-                for iteration in range(num_warmup_iters):
-                    first, last = iteration == 0, iteration == num_warmup_iters - 1
-                    draws = ForwardDraws(self._live()) if last and not self.eager_replay else None
-                    with reads_recorded(self.modules, self.reads) if first else contextlib.nullcontext(), \
-                            host.watching(_NAME, self.tracker, known) if first else contextlib.nullcontext(), \
-                            capture_hook_set(_Regions(draws)):
-                        outputs = self._run()
-                    if first and outputs is not None:
-                        self.outputs = OutputLayout(_NAME, outputs).without_memory()
-                    del outputs
+                # The precision's state (FP8 scales, amax histories), which StepState does not
+                # hold, as before warmup: the first replay starts where eager's next step would.
+                with SEAM.precision.kept(self.modules):
+                    for iteration in range(num_warmup_iters):
+                        first, last = iteration == 0, iteration == num_warmup_iters - 1
+                        draws = ForwardDraws(self._live()) if last and not self.eager_replay else None
+                        with reads_recorded(self.modules, self.reads) if first else contextlib.nullcontext(), \
+                                host.watching(_NAME, self.tracker, known) if first else contextlib.nullcontext(), \
+                                capture_hook_set(_Regions(draws)):
+                            outputs = self._run()
+                        if first and outputs is not None:
+                            self.outputs = OutputLayout(_NAME, outputs).without_memory()
+                        del outputs
                 self.reads.check_per_call(_NAME)
                 state.restore()
                 if not self.eager_replay:
