@@ -39,8 +39,8 @@ def and_verified(params: list, only: Optional[set] = None, known_bugs: Optional[
     why its verified run fails today (a strict xfail, which fails once it passes)."""
     known_bugs = known_bugs or {}
     plain = [pytest.param(*p.values, False, id=p.id, marks=p.marks) for p in params]
-    return plain + [pytest.param(*p.values, True, id=f"{p.id}-verified", marks=list(p.marks) + (
-        [pytest.mark.xfail(strict=True, reason=known_bugs[p.id])] if p.id in known_bugs else []))
+    return plain + [pytest.param(*p.values, True, id=f"{p.id}-verified", marks=tuple(p.marks) + (
+        (pytest.mark.xfail(strict=True, reason=known_bugs[p.id]),) if p.id in known_bugs else ()))
         for p in params if only is None or p.id in only]
 
 
