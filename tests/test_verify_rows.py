@@ -192,3 +192,10 @@ def test_and_verified_adds_a_verified_copy_of_the_rows_named():
     got = and_verified(params, only={"b"})
     assert [(p.values, p.id) for p in got] == [(("a", False), "a"), (("b", False), "b"), (("b", True), "b-verified")]
     assert got[2].marks == got[1].marks
+
+
+def test_and_verified_marks_a_known_bug_a_strict_xfail_on_its_verified_copy_only():
+    got = and_verified([pytest.param("a", id="a")], known_bugs={"a": "why"})
+    assert got[0].marks == ()
+    (mark,) = got[1].marks
+    assert (mark.name, mark.kwargs) == ("xfail", {"strict": True, "reason": "why"})
