@@ -40,10 +40,18 @@ class Kind(enum.Enum):
 
 
 @dataclasses.dataclass
+class Rope:
+    """A sub-config."""
+
+    factor: float = 1.0
+
+
+@dataclasses.dataclass
 class Options:
     """A plain config object the module holds (Hugging Face style)."""
 
     shift: float = 0.0
+    rope: Rope = dataclasses.field(default_factory=Rope)
     calls: int = 0
     warned: bool = False
 
@@ -54,7 +62,10 @@ CALLS = 0  # a module global a forward counts its calls in
 
 class Reads(nn.Module):
     """A forward that reads an activation, a dtype, an enum, a buffer, a dict and a list of
-    options from its module, a field of a config object it holds, and a module global."""
+    options from its module, a field of a config object it holds and of its sub-config, a
+    class attribute, and a module global."""
+
+    gain = 1.0  # read as self.gain
 
     def __init__(self):
         super().__init__()
@@ -68,7 +79,8 @@ class Reads(nn.Module):
         self.config = Options()
 
     def forward(self, x):
-        y = self.act(self.lin(x)) * self.scale * self.opts["gain"] * self.taps[0] + self.config.shift
+        y = self.act(self.lin(x)) * self.scale * self.opts["gain"] * self.taps[0] * self.gain + self.config.shift
+        y = y * self.config.rope.factor
         if self.kind is Kind.PADDING or DOUBLED:
             y = y * 2
         return y.to(self.out_dtype)
@@ -105,6 +117,10 @@ CHANGES = [
            "attribute 'taps' of the module is [2.0], but was [1.0] at capture"),
     Change("config-field", lambda m: setattr(m.config, "shift", 0.5),
            "attribute 'shift' of the Options object it reads is 0.5, but was 0.0 at capture"),
+    Change("sub-config-field", lambda m: setattr(m.config.rope, "factor", 4.0),
+           "attribute 'factor' of the Rope object it reads is 4.0, but was 1.0 at capture"),
+    Change("class-attribute", lambda m: setattr(Reads, "gain", 2.0),
+           "class attribute Reads.gain is 2.0, but was 1.0 at capture", lambda: setattr(Reads, "gain", 1.0)),
     Change("module-global", lambda m: _set_doubled(True),
            f"global 'DOUBLED' of module {__name__} is True, but was False at capture", lambda: _set_doubled(False)),
 ]

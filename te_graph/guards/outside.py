@@ -32,9 +32,9 @@ class OutsideReads:
         if reads is None:
             return None
         entries = []
-        for key, (table, name, module) in sorted(reads.globals.items(), key=lambda item: item[1][1:]):
+        for key, (table, name, what) in sorted(reads.globals.items(), key=lambda item: item[1][2]):
             if key not in reads.changed and name in table and plain_value(table[name]):
-                entries.append((table, name, f"global {name!r} of module {module}"))
+                entries.append((table, name, what))
         for obj, _ in reads.objects.values():
             table = vars(obj)
             for name in sorted(reads.attributes.get(id(obj), ())):

@@ -53,7 +53,8 @@ class ForwardReads:
     consults: set = field(default_factory=set)  # process-wide settings read (``SDPA``)
     recorded: set = field(default_factory=set)  # ids of the modules whose reads were recorded
     objects: dict = field(default_factory=dict)  # id -> a plain object the modules hold, its reads recorded
-    # (id(globals), name) -> (globals, name, module name): plain globals the forward's code uses
+    # (id(table), name) -> (table, name, what): plain values the forward's code read outside
+    # the modules' own attributes (module globals, class attributes)
     globals: dict = field(default_factory=dict)
     changed: set = field(default_factory=set)  # (id(table), name) the pass itself changed: per-call state
     # (id(table), name) -> (table, name, what, value before the pass, value after it): the
@@ -179,9 +180,10 @@ def reads_recorded(modules: Sequence[torch.nn.Module], reads: ForwardReads) -> I
             if _swap(sub, swapped):
                 reads.recorded.add(id(sub))
                 objects.extend(v for v in sub.__dict__.values() if id(v) not in seen and _plain_object(v))
-    for obj in objects:
-        if id(obj) not in seen:
+    for obj in objects:  # grows while walked: plain objects held by plain objects (a config's sub-config)
+        if id(obj) not in seen and len(seen) < _MOST_OBJECTS:
             seen.add(id(obj))
+            objects.extend(v for v in vars(obj).values() if id(v) not in seen and _plain_object(v))
             before = {k: kept(v) for k, v in vars(obj).items() if plain_value(v)}
             reads.objects[id(obj)] = (obj, before)
             if not _swap(obj, swapped) and type(obj) is types.SimpleNamespace:
@@ -200,6 +202,9 @@ def reads_recorded(modules: Sequence[torch.nn.Module], reads: ForwardReads) -> I
         for sub, cls in swapped:
             object.__setattr__(sub, "__class__", cls)
         noted.close()
+        for sub, cls in swapped:
+            if isinstance(sub, torch.nn.Module):
+                _class_values(reads, sub, cls)
         for obj, before in reads.objects.values():
             for name, value in vars(obj).items():
                 if name in before and before[name] != value:
@@ -207,6 +212,21 @@ def reads_recorded(modules: Sequence[torch.nn.Module], reads: ForwardReads) -> I
                     reads.touched.setdefault((id(vars(obj)), name), (
                         vars(obj), name, f"attribute {name!r} of the {type(obj).__name__} object it reads",
                         before[name], kept(value)))
+
+
+_MOST_OBJECTS = 10_000  # modules and plain objects walked, at most
+
+
+def _class_values(reads: ForwardReads, module: torch.nn.Module, cls: type) -> None:
+    """The plain class attributes the forward read through the instance (``self.scale`` set
+    on the class), watched where the class that defines them holds them."""
+    for name in reads.class_names.get(id(module), ()):
+        owner = next((c for c in cls.__mro__ if name in c.__dict__), None)
+        if owner is None or owner.__module__.partition(".")[0] in _FRAMEWORKS | SEAM.packages():
+            continue
+        if plain_value(owner.__dict__[name]):
+            reads.globals.setdefault((id(owner), name), (owner.__dict__, name,
+                                                         f"class attribute {owner.__name__}.{name}"))
 
 
 def _swap(obj: Any, swapped: list) -> bool:
@@ -243,16 +263,15 @@ class _GlobalsNoted:
         for name in code.co_names:
             if name in table and (id(table), name) not in self.before and plain_value(table[name]):
                 self.before[(id(table), name)] = kept(table[name])
-                self.reads.globals[(id(table), name)] = (table, name, module)
+                self.reads.globals[(id(table), name)] = (table, name, f"global {name!r} of module {module}")
 
     def close(self) -> None:
         """Note the globals the pass changed (the forward's own per-call state)."""
         for key, value in self.before.items():
-            table, name, module = self.reads.globals[key]
+            table, name, what = self.reads.globals[key]
             if table.get(name, _GONE) != value:
                 self.reads.changed.add(key)
-                self.reads.touched.setdefault(key, (table, name, f"global {name!r} of module {module}", value,
-                                                    kept(table.get(name, _GONE))))
+                self.reads.touched.setdefault(key, (table, name, what, value, kept(table.get(name, _GONE))))
 
 
 _GONE = object()
