@@ -41,9 +41,11 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
+from ...intake.options import eager_replay_default
 from ...layout import describe_value
 from ...resources import RESOURCES
 from ...step.graphed_step import GraphedStep, make_graphed_step
+from . import helper
 
 __all__ = ["make_graphed_train_step", "GraphedTrainStep", "refusals"]
 
@@ -159,7 +161,6 @@ def _check_recompute(config: Any) -> None:
     """Recompute in a graph needs te_graph's exact checkpoint in Megatron's place."""
     if getattr(config, "recompute_granularity", None) is None:
         return
-    from . import helper  # noqa: PLC0415
 
     tp = sys.modules.get("megatron.core.tensor_parallel")
     if tp is None or tp.checkpoint is not helper.checkpoint:
@@ -273,7 +274,6 @@ def make_graphed_train_step(forward_step_func: Callable, model: Any, sample_batc
             update()
         return out
 
-    from ...intake.options import eager_replay_default  # noqa: PLC0415
 
     if not (eager_replay_default() if eager_replay is None else eager_replay):
         _accumulators_on(RESOURCES.capture_stream(), chunks)
