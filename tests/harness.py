@@ -198,6 +198,9 @@ def _state(things: tuple, random: bool) -> dict:
 
     def tensor(name: str, t: Optional[torch.Tensor]) -> None:
         state[f"{name} (the object)"] = _Same(t)
+        if isinstance(t, nn.parameter.UninitializedTensorMixin):  # a lazy module's: no values yet (made
+            state[name] = "uninitialized"  # later, it is a Parameter with values: a difference)
+            return
         state[name] = None if t is None else t.detach().clone()
 
     for i, thing in enumerate(things):

@@ -448,6 +448,9 @@ UNSUPPORTED = [
     Unsupported("sparse-gradient", lambda: (nn.Embedding(10, 4, sparse=True), (torch.tensor([1, 2]),)), ValueError,
                 "make_graphed_callables: the backward of callable 0 (Embedding) gives a parameter (shape (10, 4)) a "
                 "torch.sparse_coo gradient"),
+    Unsupported("lazy-module", lambda: (nn.Sequential(nn.LazyLinear(4)), (torch.randn(2, 4),)), ValueError,
+                "make_graphed_callables: submodule '0' of callable 0 (LazyLinear) is a lazy module whose parameters "
+                "are not made yet"),
     Unsupported("inplace-input", lambda: (InplaceInput(), (torch.randn(2, 4, requires_grad=True),)), ValueError,
                 "make_graphed_callables: the forward of callable 0 (InplaceInput) updates an input that requires "
                 "grad in place"),

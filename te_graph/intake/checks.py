@@ -111,6 +111,12 @@ def check_modules(callables: Sequence[Callable]) -> None:
         for name, module in c.named_modules():
             where = f"submodule {name!r} of callable {index}" if name else f"callable {index}"
             SEAM.check_module(where, module)  # what an integration refuses of its modules
+            if isinstance(module, torch.nn.modules.lazy.LazyModuleMixin) and module.has_uninitialized_params():
+                raise ValueError(
+                    f"make_graphed_callables: {where} ({type(module).__name__}) is a lazy module whose parameters "
+                    "are not made yet; its first call makes them from that call's input, which would be warmup's "
+                    "sample. Call the model once eagerly (or on a sample batch) before graphing it."
+                )
             hooks = compat.module_hook_dicts(module)
             if hooks and name not in outside:
                 after = ("megatron-core's helper replays the layer's graphs without nn.Module.__call__, so not even "
