@@ -357,16 +357,7 @@ def _skip_unsupported(setup: TESetup) -> None:
         pytest.skip(f"{setup.recipe} scaling does not run here: {error}")
 
 
-# Verified in eager replay, te.ops.Sequential's later steps differ from eager's (the graphs'
-# verified run is equal): the shadow leaves a trace there, cause not found yet.
-_OPS_SHADOW = "verify in eager replay leaves a trace on te.ops.Sequential (H200, 2026-11-29); cause not found"
-VERIFY_KNOWN_BUGS = {s.id: _OPS_SHADOW for s in SETUPS if s.id in (
-    "ops-sequential-bf16", "ops-sequential-fp8-delayed", "ops-sequential-fp8-delayed-primary-weights",
-    "ops-sequential-fp8-delayed-recent-recompute-around")}
-
-
-@pytest.mark.parametrize("setup, verified", and_verified([pytest.param(s, id=s.id) for s in SETUPS],
-                                                         known_bugs=VERIFY_KNOWN_BUGS))
+@pytest.mark.parametrize("setup, verified", and_verified([pytest.param(s, id=s.id) for s in SETUPS]))
 def test_te_graphs_and_eager_replay_equal_eager_te(setup, verified, monkeypatch):
     _skip_unsupported(setup)
     with verifying(verified, monkeypatch, backward=not setup.eval):
