@@ -151,9 +151,14 @@ def _live_run(mode: str) -> Trace:
         te_graph.make_graphed_callables(m, (torch.randn(4, 8, requires_grad=True),),
                                         eager_replay=harness.eager_replay(mode), verify=True)
     torch.manual_seed(5)
+    return _three_steps(m, lambda i: torch.randn(4, 8, requires_grad=True))
+
+
+def _three_steps(m: nn.Module, x_of) -> Trace:
+    """Three training steps of ``m`` on ``x_of(step)``: outputs, input and parameter grads."""
     trace = Trace()
-    for _ in range(3):
-        x = torch.randn(4, 8, requires_grad=True)
+    for i in range(3):
+        x = x_of(i)
         y = m(x)
         weighted_loss(y).backward()
         trace.microbatch(y, x)
@@ -199,3 +204,61 @@ def test_and_verified_marks_a_known_bug_a_strict_xfail_on_its_verified_copy_only
     assert got[0].marks == ()
     (mark,) = got[1].marks
     assert (mark.name, mark.kwargs) == ("xfail", {"strict": True, "reason": "why"})
+
+
+class _Fuser:
+    """What te.ops.Sequential builds at its first call: an object holding the parameters."""
+
+    def __init__(self, params):
+        self.params = list(params)
+
+
+class KeepsItsParameters(nn.Module):
+    """Holds the parameters it was first called with in a fuser of its own, as Transformer
+    Engine's te.ops.Sequential does; an integration drops the fuser
+    (``Extension.forget_stand_in_caches``) and the next call makes it again."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.fuser = None
+
+    def forward(self, x):
+        if self.fuser is None:
+            self.fuser = _Fuser(self.lin.parameters())
+        weight, bias = self.fuser.params
+        return nn.functional.linear(x, weight, bias)
+
+
+class _DropsTheCache(te_graph.extension.Extension):
+    name = "keeps-its-parameters"
+
+    def forget_stand_in_caches(self, modules):
+        for module in modules:
+            for m in module.modules():
+                if isinstance(m, KeepsItsParameters):
+                    m.fuser = None
+
+
+def _kept_run(mode: str) -> Trace:
+    torch.manual_seed(0)
+    m = KeepsItsParameters()
+    m(torch.randn(4, 8))  # the cache made around the real parameters, as by an eager step
+    if mode != harness.EAGER:
+        te_graph.make_graphed_callables(m, (torch.randn(4, 8, requires_grad=True),),
+                                        eager_replay=harness.eager_replay(mode), verify=True)
+    return _three_steps(m, lambda i: torch.randn(4, 8, generator=torch.Generator().manual_seed(i)).requires_grad_())
+
+
+def test_the_shadow_reaches_no_real_gradient_through_a_cache_of_the_parameters():
+    """The shadow's forward runs on stand-ins of the parameters; a module that cached the real
+    ones has its cache made again around the stand-ins (the integration's
+    ``forget_stand_in_caches``), so the shadow's backward adds nothing to the real .grad,
+    and the call's own cache is back afterwards (eager replay on the CPU)."""
+    te_graph.extension.register(_DropsTheCache())
+    try:
+        with shadows_counted() as counts:
+            harness.assert_same(_kept_run(harness.EAGER_REPLAY), _kept_run(harness.EAGER), "verified, cached parameters")
+    finally:
+        te_graph.extension.unregister(_DropsTheCache.name)
+    assert counts == {"forwards": 3, "backwards": 3}, counts

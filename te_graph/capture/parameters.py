@@ -37,6 +37,8 @@ class StandIns:
 
     def __init__(self, modules: Iterable[torch.nn.Module], only: Optional[Sequence[torch.Tensor]] = None):
         """``only``: stand in for these parameters alone (default: every trainable one)."""
+        modules = list(modules)
+        self._modules = modules
         wanted = None if only is None else {id(p) for p in only}
         self.of: dict[int, torch.nn.Parameter] = {}  # id(real parameter) -> stand-in
         self.real: dict[int, torch.Tensor] = {}  # id(stand-in) -> real parameter
@@ -95,14 +97,18 @@ class StandIns:
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
         """Inside the block the modules hold the stand-ins; the real parameters come back
-        on exit, also when the block raises."""
+        on exit, also when the block raises. What a module cached of its parameters (the
+        fusers of Transformer Engine's te.ops.Sequential) is dropped on entry and on exit,
+        so it is made again around the parameters the module holds then."""
         try:
+            SEAM.forget_stand_in_caches(self._modules)
             for module, name, p in self._slots:
                 compat.parameter_slots(module)[name] = self.of[id(p)]
             yield
         finally:
             for module, name, p in self._slots:
                 compat.parameter_slots(module)[name] = p
+            SEAM.forget_stand_in_caches(self._modules)
 
 
 # The backward nodes of reentrant checkpoints other than ours (torch.utils.checkpoint and

@@ -132,7 +132,6 @@ def prepare_graphs(spec_sets: Sequence[Sequence[GraphSpec]], steps: Sequence[Ste
         session.host.restore()
         for reads in session.reads.values():
             reads.put_back()
-        SEAM.forget_stand_in_caches(list(modules.values()))
         drop_queued_work(delayed)  # empty unless graphing failed between a backward and its pass
 
 

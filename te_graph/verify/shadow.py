@@ -115,11 +115,9 @@ class Shadow:
         before.restore()
         try:
             with self._installed(), SEAM.precision.kept(self.modules), torch.enable_grad():
-                # What the module cached of its parameters (te.ops.Sequential's fusers, built
-                # around the real ones by the call's own forward) is made again around the
-                # stand-ins, so the shadow's backward never reaches a real parameter's .grad;
-                # ``after`` puts the call's own caches back.
-                SEAM.forget_stand_in_caches([module] if module is not None else [])
+                # The stand-ins drop what the module cached of the real parameters (``installed``),
+                # so the shadow's backward never reaches a real .grad; ``after`` puts the call's
+                # own caches back.
                 self.outputs = runner.output.tensors_of(spec.call(*args, **kwargs))
         finally:
             after.restore()
