@@ -185,6 +185,8 @@ SETUPS = [
     TESetup("transformer-bf16", module="transformer"),
     TESetup("transformer-bf16-dropout", module="transformer", dropout=0.1),
     TESetup("ops-sequential-bf16", module="ops"),
+    # Its fuser, made by the eager step around the real parameters, is made again around the stand-ins.
+    TESetup("ops-sequential-bf16-graphed-after-an-eager-step", module="ops", eager_steps_first=1),
     TESetup("transformer-bf16-dropout-recompute-ours", dropout=0.1, recompute="ours"),
     TESetup("transformer-bf16-dropout-recompute-te", dropout=0.1, recompute="te"),
     TESetup("transformer-bf16-dropout-core-attention-checkpoint", dropout=0.1, recompute="core-attention"),
