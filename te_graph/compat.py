@@ -2,7 +2,9 @@
 
 Each entry says which torch versions it is for and which upstream issue or pull request
 would let it go, so it can be removed when the minimum torch moves. Nothing else in
-``te_graph`` reaches into torch privates. (``rng`` keeps its own one version switch,
+``te_graph`` reaches into torch privates but ``capture/conditional/runtime.py``, whose
+allocator routing of conditional-node bodies into the graph's pool (torch 2.4-2.13,
+pytorch/pytorch#168912) sits beside the driver calls it pairs with. (``rng`` keeps its own one version switch,
 ``rng.generator_registration_required``, for torch 2.14's lazy generator registration,
 pytorch/pytorch#176753; ``checkpointing`` uses ``torch.autograd._is_checkpoint_valid`` and
 ``torch._assert_async``, documented where they are called.)
