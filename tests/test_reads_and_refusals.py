@@ -11,6 +11,7 @@ import copy
 import dataclasses
 import enum
 import io
+import logging
 import random
 import re
 from collections.abc import Callable
@@ -163,6 +164,31 @@ def test_saved_tensor_hooks_at_call_time_are_refused_and_a_checkpoints_are_not(d
     x = _x(device)
     torch.utils.checkpoint.checkpoint(m, x, use_reentrant=False).sum().backward()
     assert x.grad is not None
+
+
+class Logs(nn.Module):
+    """Holds a logger and logs from its forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(H, H)
+        self.log = logging.getLogger("te_graph.tests.logs")
+
+    def forward(self, x):
+        self.log.debug("forward")
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("device, eager_replay", ALL_DEVICE_MODES)
+def test_a_logger_the_module_holds_is_the_process_machinery_not_watched(device, eager_replay):
+    m = Logs().to(device)
+    te_graph.make_graphed_callables(m, (_x(device),), eager_replay=eager_replay)
+    level = m.log.level
+    try:
+        m.log.setLevel(logging.DEBUG)
+        m(_x(device)).sum().backward()
+    finally:
+        m.log.setLevel(level)
 
 
 class Counts(Reads):

@@ -107,12 +107,18 @@ def kept(value: Any) -> Any:
 
 def _plain_object(value: Any) -> bool:
     """An object of a Python class with a ``__dict__`` of its own (a config, a dataclass of
-    options): not a module, tensor, class, enum member or callable, and not of torch or of a
-    framework an integration serves (``Extension.packages``)."""
+    options, a namespace): not a module, tensor, class, enum member or callable, and not of
+    torch, of a framework an integration serves (``Extension.packages``) or of the standard
+    library's machinery."""
     if callable(value) or isinstance(value, (torch.nn.Module, torch.Tensor, enum.Enum, type(sys))):
         return False
     package = type(value).__module__.partition(".")[0]
+    if package in getattr(sys, "stdlib_module_names", ()) and package not in _NAMESPACES:
+        return False  # a logger, a thread: the process's machinery, not options
     return hasattr(value, "__dict__") and package not in _FRAMEWORKS and package not in SEAM.packages()
+
+
+_NAMESPACES = frozenset({"types", "argparse"})  # the standard library's holders of options
 
 
 _FRAMEWORKS = frozenset({"torch", "te_graph", "rng", "checkpointing"})
