@@ -24,14 +24,8 @@ import sys
 import pytest
 
 from tests import harness
-from tests.test_megatron_path import HAVE_MEGATRON, HAVE_TE, ROOT, _run, _trace, rows
+from tests.test_megatron_path import ROOT, _run, _trace, pytestmark, rows  # noqa: F401 - pytestmark: its marks
 from tests.multi_gpu_helpers import fresh_process_env
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not HAVE_MEGATRON, reason="needs megatron-core: pip install megatron-core==0.19.2"),
-    pytest.mark.skipif(not HAVE_TE, reason='needs Transformer Engine: pip install -e ".[te]"'),
-]
 
 WHOLE = ("te_graph_step", "te_graph_step_replay")
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import operator
 from typing import Optional
 
-from .reads import ForwardReads, kept, plain_value
+from .reads import ForwardReads, kept, object_attribute, plain_value
 
 __all__ = ["OutsideReads"]
 
@@ -39,7 +39,7 @@ class OutsideReads:
             table = vars(obj)
             for name in sorted(reads.attributes.get(id(obj), ())):
                 if (id(table), name) not in reads.changed and name in table and plain_value(table[name]):
-                    entries.append((table, name, f"attribute {name!r} of the {type(obj).__name__} object it reads"))
+                    entries.append((table, name, object_attribute(obj, name)))
         return OutsideReads(entries) if entries else None
 
     def matches(self) -> bool:

@@ -37,7 +37,7 @@ from .. import compat
 from ..compat import MODULE_INTERNALS
 from ..extension import SEAM
 
-__all__ = ["ForwardReads", "reads_recorded", "SDPA", "plain_value", "kept"]
+__all__ = ["ForwardReads", "reads_recorded", "SDPA", "plain_value", "kept", "object_attribute"]
 
 SDPA = "sdpa"  # the forward calls scaled-dot-product attention: the SDPA backend flags are read
 _SDPA_FUNCTIONS = frozenset({"scaled_dot_product_attention", "_native_multi_head_attention",
@@ -53,12 +53,12 @@ class ForwardReads:
     consults: set = field(default_factory=set)  # process-wide settings read (``SDPA``)
     recorded: set = field(default_factory=set)  # ids of the modules whose reads were recorded
     objects: dict = field(default_factory=dict)  # id -> a plain object the modules hold, its reads recorded
-    # (id(table), name) -> (table, name, what): plain values the forward's code read outside
-    # the modules' own attributes (module globals, class attributes)
+    # (id of the globals or of the class, name) -> (table, name, what): plain values the
+    # forward's code read outside the modules' own attributes (module globals, class attributes)
     globals: dict = field(default_factory=dict)
     changed: set = field(default_factory=set)  # (id(table), name) the pass itself changed: per-call state
     # (id(table), name) -> (table, name, what, value before the pass, value after it): the
-    # plain values outside the modules the pass changed, put back when warmup ends (``settle``)
+    # plain values outside the modules the pass changed, put back when warmup ends (``put_back``)
     touched: dict = field(default_factory=dict)
 
     def check_per_call(self, owner: str) -> None:
@@ -69,8 +69,9 @@ class ForwardReads:
             if now != first:
                 raise ValueError(
                     f"make_graphed_callables: the forward of {owner} changes {what} at every call ({first!r} after "
-                    f"the first warmup pass, {now!r} after the last); a graph replays GPU work only, so at replay it would keep its value. Keep such state "
-                    "in a tensor updated in place, or change it outside the graphed forward."
+                    f"the first warmup pass, {now!r} after the last); a graph replays GPU work only, so at replay "
+                    "it would keep its value. Keep such state in a tensor updated in place, or change it outside "
+                    "the graphed forward."
                 )
 
     def put_back(self) -> None:
@@ -103,6 +104,11 @@ def kept(value: Any) -> Any:
     """What the check compares a plain value with later: a copy of a mutable container (the
     object itself would always equal itself)."""
     return type(value)(value) if type(value) in (dict, list, set) else value
+
+
+def object_attribute(obj: Any, name: str) -> str:
+    """How messages name attribute ``name`` of a plain object the forward reads."""
+    return f"attribute {name!r} of the {type(obj).__name__} object it reads"
 
 
 def _plain_object(value: Any) -> bool:
@@ -216,8 +222,7 @@ def reads_recorded(modules: Sequence[torch.nn.Module], reads: ForwardReads) -> I
                 if name in before and before[name] != value:
                     reads.changed.add((id(vars(obj)), name))
                     reads.touched.setdefault((id(vars(obj)), name), (
-                        vars(obj), name, f"attribute {name!r} of the {type(obj).__name__} object it reads",
-                        before[name], kept(value)))
+                        vars(obj), name, object_attribute(obj, name), before[name], kept(value)))
 
 
 _MOST_OBJECTS = 10_000  # modules and plain objects walked, at most
