@@ -8,8 +8,7 @@ megatron-core's schedule (``get_forward_backward_func`` over 4 microbatches) and
 inside the graph, or Megatron's optimizer eagerly after it) and with that graph's eager
 replay, in one fresh process per setup; every step's losses, ``main_grad`` buffers and
 weights after the optimizer step are compared bitwise (tests/test_megatron_path.py's
-helpers). FP8 is refused by name (the warmup passes would advance Transformer Engine's
-scaling state, which the path does not put back yet). Dropout is on in every setup, which Megatron's own ``full_iteration`` graphs do not
+helpers). FP8 is refused by name (not yet run through this path on a GPU). Dropout is on in every setup, which Megatron's own ``full_iteration`` graphs do not
 allow with recompute. Refusals: Megatron settings that wait for the GPU on the host, named
 before anything changes, and a host read in the loss function, refused at capture with
 everything put back. Needs a GPU, megatron-core 0.19 and Transformer Engine 2.20.
@@ -152,7 +151,7 @@ def test_a_host_syncing_megatron_setting_is_refused_by_name_before_anything_chan
     assert "set config.timers = None" in timers["message"]
     fp8 = refusals["fp8"]
     assert fp8["error"] == "ValueError", fp8
-    assert "config.fp8='hybrid': the warmup passes before capture advance Transformer Engine's FP8 scaling state" \
+    assert "config.fp8='hybrid': FP8 through megatron-core's whole step (Transformer Engine's scaling state" \
         in fp8["message"], fp8["message"]
     for found in (nan, timers, fp8):
         assert found["unchanged"] and found["accumulators_kept"], found

@@ -22,9 +22,9 @@ What the graph holds and what stays eager:
   after each call, as Megatron-LM does.
 
 Megatron settings that wait for the GPU on the host, or that would run code a replay skips,
-are refused by name before anything changes (:func:`refusals`); so is FP8, whose scaling
-state (Transformer Engine's amax histories and scales) the warmup passes would advance and
-this path does not put back yet.
+are refused by name before anything changes (:func:`refusals`); so is FP8, not yet run
+through this path on a GPU (its scaling state across warmup, its amax reduction inside the
+graph), where the per-layer graphs have been.
 
 torch before 2.12 runs each parameter's ``AccumulateGrad`` on the stream it was made on;
 DDP keeps those nodes from its construction (usually the default stream), and a capture on
@@ -127,9 +127,10 @@ def refusals(model: Sequence[torch.nn.Module], update: Optional[Callable] = None
                      "barrier_with_L1_time) around the forward, backward and gradient reduction; set "
                      "config.timers = None for the graphed step and time the call from outside")
     if getattr(config, "fp8", None):
-        found.append(f"config.fp8={config.fp8!r}: the warmup passes before capture advance Transformer Engine's "
-                     "FP8 scaling state (amax histories, scales), which the whole-step path does not put back yet; "
-                     "for FP8, graph per layer (te_graph.integrations.megatron.enable() with TECudaGraphHelper)")
+        found.append(f"config.fp8={config.fp8!r}: FP8 through megatron-core's whole step (Transformer Engine's "
+                     "scaling state across warmup, its amax reduction inside the graph) has not been proven equal "
+                     "to eager yet; for FP8, graph per layer (te_graph.integrations.megatron.enable() with "
+                     "TECudaGraphHelper)")
     if getattr(config, "cuda_graph_impl", "none") == "local":
         found.append("config.cuda_graph_impl='local': megatron-core would capture its own graphs inside the "
                      "step's; set cuda_graph_impl='none'")
