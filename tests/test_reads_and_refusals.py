@@ -333,6 +333,31 @@ def test_the_watched_first_pass_leaves_compiled_code_as_it_was():
     assert counters["frames"]["total"] == compiled, "dynamo compiled the function again under te_graph's watch"
 
 
+def test_graphing_under_a_profiler_leaves_it_running():
+    """A profiler set from C (cProfile on Python < 3.12) can be neither chained nor put back
+    from Python: graphing leaves it running and warns that module globals go unwatched; one
+    on sys.monitoring (Python >= 3.12) leaves sys.setprofile free, and nothing is said."""
+    import cProfile
+    import sys
+    import warnings
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        installed = sys.getprofile()
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            graphed = te_graph.make_graphed_callables(nn.Linear(H, H), (_x("cpu"),), eager_replay=True)
+        assert sys.getprofile() is installed, "graphing replaced the running profiler"
+        graphed(_x("cpu")).sum().backward()
+    finally:
+        profiler.disable()
+    text = "is running while graphing: the module globals the forward reads are not learnt"
+    warned = [w for w in said if text in str(w.message)]
+    assert len(warned) == (0 if installed is None or callable(installed) else 1), [str(w.message) for w in said]
+    assert profiler.getstats(), "the profiler saw nothing after graphing"
+
+
 def _against_eager(m, ref, step_of, steps):
     """``step_of(module, step)`` (returns the output and input to record) on the graphed module
     and on its eager copy, a step each in turn; the two traces bitwise equal: outputs, input

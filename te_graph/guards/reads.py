@@ -27,6 +27,7 @@ import contextlib
 import enum
 import sys
 import types
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
@@ -202,14 +203,22 @@ def reads_recorded(modules: Sequence[torch.nn.Module], reads: ForwardReads) -> I
                 # Its C type takes no recording subclass, and it holds options only: all count.
                 reads.attributes.setdefault(id(obj), set()).update(before)
     profiler = sys.getprofile()
+    # A profiler set from C (cProfile and others on Python < 3.12) is no Python callable:
+    # it can be neither called from ours nor put back with sys.setprofile, so it is left
+    # running, and the globals the forward reads go unlearnt (with a warning).
+    chained = profiler is None or callable(profiler)
+    if not chained:
+        warnings.warn(_PROFILER_ACTIVE.format(name=type(profiler).__name__), stacklevel=4)
     noted = _GlobalsNoted(reads, excluded, profiler)
     previous, _CURRENT[0] = _CURRENT[0], reads
     try:
-        sys.setprofile(noted)
+        if chained:
+            sys.setprofile(noted)
         with compat.compiled_code_run_eagerly(), _Functions(reads):
             yield
     finally:
-        sys.setprofile(profiler)
+        if chained:
+            sys.setprofile(profiler)
         _CURRENT[0] = previous
         for sub, cls in swapped:
             object.__setattr__(sub, "__class__", cls)
@@ -226,6 +235,11 @@ def reads_recorded(modules: Sequence[torch.nn.Module], reads: ForwardReads) -> I
 
 
 _MOST_OBJECTS = 10_000  # modules and plain objects walked, at most
+_PROFILER_ACTIVE = (
+    "te_graph: a profiler ({name}) is running while graphing: the module globals the forward reads "
+    "are not learnt, so a change to one after graphing goes unseen. Graph outside the profiler "
+    "(profile the training steps after it) for the full guards."
+)
 
 
 def _class_values(reads: ForwardReads, module: torch.nn.Module, cls: type) -> None:
