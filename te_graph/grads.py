@@ -25,8 +25,10 @@ one of two paths, chosen at each call:
   eager code, once per backward.
 
 The path is chosen at the forward; what comes to need autograd's accumulation before that
-call's backward (a hook on a parameter, another use of a parameter in the same backward)
-is refused at the backward (``replay.refusals.check_in_graph_backward``).
+call's backward is refused: a hook on a parameter (``replay.refusals.check_in_graph_backward``),
+another use of a parameter in the same backward (``replay.in_graph``). A backward asked for
+some tensors' gradients only (``torch.autograd.grad``, ``backward(inputs=...)``) hands the
+parameters it names theirs through autograd (``replay.runner.Runner._asked``).
 """
 from __future__ import annotations
 

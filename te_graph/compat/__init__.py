@@ -23,6 +23,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import rng
 
+from .engine import (  # noqa: F401  (the autograd engine's privates, in a module of their own)
+    accumulate_grad_node,
+    after_this_backward,
+    engine_asks_for,
+    engine_will_execute,
+    graph_task_id,
+    in_backward,
+    is_accumulate_grad,
+)
+
 __all__ = [
     "direct_apply",
     "functorch_active",
@@ -57,6 +67,9 @@ __all__ = [
     "accumulate_grad_node",
     "is_accumulate_grad",
     "engine_will_execute",
+    "engine_asks_for",
+    "after_this_backward",
+    "graph_task_id",
     "in_backward",
     "CAN_POISON",
     "poison_storage",
@@ -357,40 +370,6 @@ _SEEDED = getattr(getattr(torch, "Tag", None), "nondeterministic_seeded", None)
 def draws_random(op: Any) -> bool:
     """Whether the aten overload ``op`` draws random numbers."""
     return _SEEDED is not None and _SEEDED in getattr(op, "tags", ())
-
-
-# -- what the running backward will do ------------------------------------------------------
-def accumulate_grad_node(leaf: torch.Tensor) -> Any:
-    """A leaf's gradient accumulator node (the way torch's own docs and DDP reach it: the
-    first next function of a view's grad_fn). Keep a reference: the node is made on demand
-    and the leaf holds it weakly."""
-    with torch.enable_grad():
-        return leaf.view_as(leaf).grad_fn.next_functions[0][0]
-
-
-_ACCUMULATE_GRAD = type(accumulate_grad_node(torch.zeros((), requires_grad=True)))
-
-
-def is_accumulate_grad(node: Any) -> bool:
-    """Whether an autograd node is a leaf's gradient accumulator, whose ``variable`` is the
-    leaf (a custom Function's node may carry an attribute of that name too)."""
-    return type(node) is _ACCUMULATE_GRAD
-
-
-# ``torch._C._will_engine_execute_node`` (private, torch >= 2.0; torch/utils/checkpoint.py uses it
-# to stop recompute early): whether the backward running now will execute a node. A
-# backward asked only for some tensors' gradients (``torch.autograd.grad``,
-# ``backward(inputs=...)``) executes only the nodes on the way to them.
-engine_will_execute: Callable[[Any], bool] = getattr(torch._C, "_will_engine_execute_node", lambda node: True)
-
-# ``torch._C._current_graph_task_id`` (private, torch >= 2.0; torch/utils/checkpoint.py uses it
-# for non-reentrant checkpoints): the id of the backward running on this thread, -1 outside one.
-_current_graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
-
-
-def in_backward() -> bool:
-    """Whether this thread runs inside a backward (an activation recompute, for one)."""
-    return _current_graph_task_id() >= 0
 
 
 # -- outputs overwritten by a later replay --------------------------------------------------

@@ -19,7 +19,8 @@ from .copy_in import Slot
 from .order import ReplayContext
 from .outputs import EagerOutputs
 from .partial_backward import refuse_rerun
-from .runner import OBSERVED, Invocation, Runner
+from .in_graph import after_in_graph
+from .runner import IN_GRAPH, OBSERVED, THROUGH_AUTOGRAD, Invocation, Runner
 
 __all__ = ["EagerRunner", "takes_keyword"]
 
@@ -54,10 +55,20 @@ class EagerRunner(Runner):
         if spec.needs_backward:  # unrouted, the real parameters take their gradients in the nested backward
             self._watch(tuple(used))
         self.handout = EagerOutputs(self.name, spec)
+        self._observed = False  # whether something observes the parameters' gradients at this call (``extra``)
 
     def through_autograd(self) -> bool:
         # Otherwise the real module runs: its parameters' hooks see autograd as usual.
         return self.routed is not None
+
+    def extra(self, through_autograd: bool) -> tuple[torch.Tensor, ...]:
+        # Where its forward finds the gradients observed (DDP, hooks), the real parameters
+        # take theirs in the nested backward, hooks and all: edges to them would run their
+        # accumulators' hooks a second time.
+        self._observed = compat.ddp_forward_active() or grads.hooked(self.accumulated)
+        if not through_autograd and self._observed:
+            return self.anchor
+        return super().extra(through_autograd)
 
     def forward(self, inputs: tuple[torch.Tensor, ...], through_autograd: bool, with_backward: bool = True,
                 is_first_microbatch: Any = None) -> tuple[Invocation, tuple]:
@@ -81,7 +92,7 @@ class EagerRunner(Runner):
         # Unrouted, the real parameters take their gradients where the graphs would add them in
         # the graph, unless something observed them at this forward (the graphs then go
         # through autograd): the same checks at the backward as the graphs'.
-        observed = routed or compat.ddp_forward_active() or grads.hooked(self.accumulated)
+        observed = routed or self._observed
         invocation = Invocation(self.generation, tick, (), (), routed, outputs, False,
                                 OBSERVED if observed else compat.hook_handles_made(),
                                 self.idle_now(inputs) if self.idle_outputs and with_backward else ())
@@ -89,7 +100,7 @@ class EagerRunner(Runner):
         return (self._issued(invocation) if with_backward else invocation), detached
 
     def backward(self, invocation: Invocation, grads: tuple) -> tuple:
-        inputs_only, missing = self._before_backward(invocation, grads)
+        asked, missing = self._before_backward(invocation, grads)
         if missing is not None:
             refuse_rerun(self, missing)  # where the graphs refuse it
         self._replaying_backward()
@@ -99,25 +110,30 @@ class EagerRunner(Runner):
         pairs = [(o, g) for o, g in zip(invocation.outputs, grads) if o.requires_grad and g is not None]
         outputs = [o for o, _ in pairs]
         grads_ = [g for _, g in pairs]
-        routed = self.routed(self.params) if invocation.through_autograd else ()
-        if inputs_only:
-            # Only some inputs' gradients are asked for: no parameter takes one (as eager).
+        if type(asked) is tuple:
+            # Asked only for some tensors' gradients: the parameters asked for get theirs
+            # through autograd, the others none (as eager).
             wanted = [t for t in self.static_inputs if t.requires_grad]
-            found = iter(torch.autograd.grad(outputs, wanted, grads_, retain_graph=self.retains_graph,
-                                             allow_unused=True) if pairs and wanted else ())
+            params = [p for p, a in zip(self.params, asked) if a]
+            found = iter(torch.autograd.grad(outputs, wanted + params, grads_, retain_graph=self.retains_graph,
+                                             allow_unused=True) if pairs and (wanted or params) else ())
+            input_grads = tuple(next(found, None) if t.requires_grad else None for t in self.static_inputs)
             self._after_backward()
             self._reused()
-            return tuple(next(found) if t.requires_grad else None for t in self.static_inputs) + (None,) * len(self.anchor)
+            return input_grads + (None,) + tuple(next(found, None) if a else None for a in asked)
+        routed = self.routed(self.params) if asked is THROUGH_AUTOGRAD else ()
         stand_ins = [p for p in routed if p is not None]
         with grads_redirected(self.spec.grad_inputs + tuple(stand_ins)):
             if pairs:
                 torch.autograd.backward(outputs, grads_, retain_graph=self.retains_graph)
             self._after_backward()
+            if invocation.hooks_seen != OBSERVED and asked is IN_GRAPH:
+                after_in_graph(self)
             self._reused()
             input_grads = tuple(t.grad for t in self.static_inputs)
-            if invocation.through_autograd:
+            if asked is THROUGH_AUTOGRAD:
                 return input_grads + tuple(None if s is None else s.grad for s in routed)
-            return input_grads + (None,) * len(self.anchor)
+            return input_grads + (None,) * len(self.edges)
 
     def _reused(self) -> None:
         if self.borrowed:

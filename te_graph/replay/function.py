@@ -23,6 +23,7 @@ class _Replay(torch.autograd.Function):
         invocation, outputs = runner.forward(tensors, through_autograd, True, is_first_microbatch)
         ctx.runner = runner
         ctx.invocation = invocation
+        ctx.width = len(inputs)  # the inputs and the tensors beside them (``Runner.extra``)
         ctx.set_materialize_grads(False)
         if runner.non_differentiable or invocation.idle:
             ctx.mark_non_differentiable(*(outputs[i] for i in runner.non_differentiable + invocation.idle))
@@ -38,7 +39,7 @@ class _Replay(torch.autograd.Function):
         # (A second backward without retain_graph has freed them: _check_fresh refuses it.)
         if runner.saved.indices and (ctx.invocation.backwards == 0 or runner.retains_graph):
             check_saved_outputs(runner, ctx)
-        return (None, None, None) + runner.backward(ctx.invocation, grads)
+        return (None, None, None) + runner.backward(ctx.invocation, grads)[: ctx.width]
 
 
 ReplayBackward = compat.backward_node_class(_Replay)  # the autograd node class of every graphed call
@@ -74,7 +75,7 @@ def run(runner: Runner, tensors: list, is_first_microbatch: Any = None, through_
         with torch.no_grad():
             return runner.forward(tuple(tensors), False, False, is_first_microbatch)[1]
     through_autograd = through_autograd or runner.through_autograd()
-    extra = runner.params if through_autograd else runner.anchor
+    extra = runner.extra(through_autograd)
     apply = _Replay.apply if _functorch_active() else _apply_directly
     return apply(runner, through_autograd, is_first_microbatch, *tensors, *extra)
 

@@ -14,7 +14,8 @@ from .function import ReplayBackward
 from .order import ReplayContext
 from .outputs import GraphOutputs
 from .partial_backward import backward_recomputed, refuse_rerun, stream_positions
-from .runner import OBSERVED, Invocation, Runner
+from .in_graph import after_in_graph
+from .runner import IN_GRAPH, OBSERVED, THROUGH_AUTOGRAD, Invocation, Runner, asks_none
 
 __all__ = ["GraphRunner"]
 
@@ -34,7 +35,7 @@ class GraphRunner(Runner):
         # Transformer Engine's backward does for weights it accumulates into main_grad itself.
         self.fused_params = tuple(spec.params[i] for i in sorted(graph.warmup.fused_params))
         if graph.param_grads is not None:
-            self.params = graph.param_grads.params  # less those only the weight-gradient pass sets
+            self._set_params(graph.param_grads.params)  # less those only the weight-gradient pass sets
             self._watch(self.params)
         self.static_inputs = graph.static_inputs
         self.input_slots = tuple(map(Slot, graph.static_inputs))
@@ -105,14 +106,13 @@ class GraphRunner(Runner):
         return (self._issued(invocation) if with_backward else invocation), outputs
 
     def backward(self, invocation: Invocation, grads: tuple) -> tuple:
-        through_autograd = invocation.through_autograd
-        # A backward asked only for some inputs' gradients (torch.autograd.grad, or
-        # backward(inputs=...)) leaves the parameters' .grad alone, as eager autograd does:
-        # the graph still accumulates into the buffers, which are put back afterwards.
-        inputs_only, missing = self._before_backward(invocation, grads)
+        # A backward asked only for some tensors' gradients (torch.autograd.grad, or
+        # backward(inputs=...)) gives the parameters it asks for theirs through autograd and
+        # leaves the others' .grad alone, as eager autograd does.
+        asked, missing = self._before_backward(invocation, grads)
         graph = self.graph
         if missing is not None:
-            return self._backward_recomputed(invocation, grads, inputs_only, missing)
+            return self._backward_recomputed(invocation, grads, asked, missing)
         for slot, g in zip(self.grad_output_slots, grads):
             if slot is None:
                 continue
@@ -120,13 +120,12 @@ class GraphRunner(Runner):
                 slot.tensor.zero_()
             else:
                 copy_in(slot, g)
-        kept = None
-        if through_autograd:
-            graph.param_grads.prepare_autograd()
-        elif inputs_only:
-            kept = [b.clone() for b in graph.param_grads.buffers]
-        else:
+        in_graph = asked is IN_GRAPH
+        if in_graph:
             graph.param_grads.prepare_in_graph()
+        elif asked is THROUGH_AUTOGRAD or any(asked):
+            graph.param_grads.prepare_autograd()
+        kept = [b.clone() for b in graph.param_grads.buffers] if asks_none(asked) else None
         if invocation.record:
             graph.rng.restore(invocation.record)
         moved = graph.sync_backward.before_replay(self.name)
@@ -134,27 +133,32 @@ class GraphRunner(Runner):
         graph.bwd_graph.replay()
         if moved:
             graph.sync_backward.after_replay(moved)
-        if kept is not None:
+        if kept is not None:  # the graph adds into the buffers: put them back
             for buffer, value in zip(graph.param_grads.buffers, kept):
                 buffer.copy_(value)
         for p in self.fused_params:
             p.grad_added_to_main_grad = True  # as Transformer Engine's backward sets it
         graph.precision.after_backward(invocation.fp8_first)
         self._after_backward()
+        if in_graph and invocation.hooks_seen != OBSERVED:
+            after_in_graph(self)
         if self.borrowed:
             self.handout.after_reuse()
         input_grads = tuple(
             None if g is None else (g.clone() if copy else g.detach())
             for g, copy in zip(graph.static_grad_inputs, invocation.copy_grads)
         )
-        if through_autograd:
+        if asked is THROUGH_AUTOGRAD:
             return input_grads + graph.param_grads.for_autograd(self.clone_param_grads)
-        return input_grads + (None,) * len(self.anchor)
+        if in_graph or not any(asked):
+            return input_grads + (None,) * len(self.edges)
+        # Copies: torch.autograd.grad hands them to the caller, and the next replay rewrites the buffers.
+        return input_grads + (None,) + tuple(b.clone() if a else None for a, b in zip(asked, graph.param_grads.buffers))
 
-    def _backward_recomputed(self, invocation: Invocation, grads: tuple, inputs_only: bool, missing: int) -> tuple:
+    def _backward_recomputed(self, invocation: Invocation, grads: tuple, asked: Any, missing: int) -> tuple:
         """A backward whose loss left output ``missing`` out (``partial_backward``)."""
         refuse_rerun(self, missing)
-        result = backward_recomputed(self, invocation, grads, inputs_only)
+        result = backward_recomputed(self, invocation, grads, asked)
         self._after_backward()
         if self.borrowed:
             self.handout.after_reuse()

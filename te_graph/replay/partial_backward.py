@@ -20,6 +20,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from ..capture.parameters import StandIns
+from .runner import IN_GRAPH, THROUGH_AUTOGRAD
 
 __all__ = ["stream_positions", "backward_recomputed", "refuse_rerun"]
 
@@ -61,13 +62,15 @@ def _streams_at(positions: tuple) -> Iterator[None]:
             g.set_offset(offset)
 
 
-def backward_recomputed(runner: Any, invocation: Any, grads: tuple, inputs_only: bool) -> tuple:
-    """The call's input gradients and, where they go through autograd, its parameter
-    gradients, computed by an eager rerun of its forward (see the module docstring)."""
+def backward_recomputed(runner: Any, invocation: Any, grads: tuple, asked: Any) -> tuple:
+    """The call's input gradients and the parameter gradients this backward asks for
+    (``Runner._asked``), computed by an eager rerun of its forward (see the module
+    docstring): handed to autograd, or added to ``.grad`` on the in-graph path."""
     spec, graph = runner.spec, runner.graph
     module = spec.func if isinstance(spec.func, torch.nn.Module) else None
     params = graph.param_grads.params if graph.param_grads is not None else ()
-    stand = StandIns([module], only=params) if module is not None and params else None
+    wanted = [True] * len(params) if asked in (IN_GRAPH, THROUGH_AUTOGRAD) else list(asked)
+    stand = StandIns([module], only=params) if module is not None and any(wanted) else None
     inputs = [t.detach().requires_grad_(t.requires_grad) for t in runner.static_inputs]
     buffers = list(module.buffers()) if module is not None else []
     kept = [b.clone() for b in buffers]
@@ -76,7 +79,7 @@ def backward_recomputed(runner: Any, invocation: Any, grads: tuple, inputs_only:
         outputs = runner.output.tensors_of(spec.call(*args, **kwargs))
         pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
         leaves = [t for t in inputs if t.requires_grad]
-        stand_ins = list(stand(params)) if stand is not None and not inputs_only else []
+        stand_ins = [s for s, w in zip(stand(params), wanted) if w] if stand is not None else []
         found = torch.autograd.grad([o for o, _ in pairs], leaves + stand_ins, [g for _, g in pairs],
                                     allow_unused=True) if pairs and (leaves or stand_ins) else ()
     with torch.no_grad():
@@ -84,11 +87,13 @@ def backward_recomputed(runner: Any, invocation: Any, grads: tuple, inputs_only:
             b.copy_(value)
     found = iter(found)
     input_grads = tuple(next(found) if t.requires_grad else None for t in inputs)
-    param_grads = [next(found) for _ in stand_ins]
+    param_grads = [next(found) if w else None for w in wanted]
     for p in runner.fused_params:
         p.grad_added_to_main_grad = True  # as Transformer Engine's backward sets it
-    if invocation.through_autograd:
-        return input_grads + tuple(param_grads) + (None,) * (len(params) - len(param_grads))
+    if asked is THROUGH_AUTOGRAD:
+        return input_grads + tuple(param_grads)
+    if asked is not IN_GRAPH:
+        return input_grads + (None,) + tuple(param_grads)
     with torch.no_grad():
         for p, g in zip(params, param_grads):
             if g is None:
@@ -97,4 +102,4 @@ def backward_recomputed(runner: Any, invocation: Any, grads: tuple, inputs_only:
                 p.grad = g
             else:
                 p.grad.add_(g)  # eager autograd's accumulation
-    return input_grads + (None,) * len(runner.anchor)
+    return input_grads + (None,) * len(runner.edges)

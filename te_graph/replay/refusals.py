@@ -47,14 +47,8 @@ def missing_gradient(runner: Any, invocation: Any, grads: tuple) -> Any:
 def check_in_graph_backward(runner: Any, invocation: Any) -> None:
     """Before a backward whose parameter gradients the graph (or eager replay's nested
     backward) adds to ``.grad`` itself, as its forward chose where nothing observed them:
-    nothing may since have come to need autograd's own accumulation. A hook registered
-    on a parameter after the forward would be skipped; a use of a parameter outside the
-    call in this same backward (another callable's graphs, a regulariser in the loss,
-    the parameter passed as an input) would add its gradient to ``.grad`` apart from the
-    graph's, where eager autograd sums the two first (other rounding). One counter read
-    and one engine query per parameter."""
-    if not runner.accumulators:
-        return
+    no hook was put on a parameter since, which the graph would skip. (Another use of a
+    parameter in the same backward is ``in_graph``'s check.) One counter read."""
     if invocation.hooks_seen != compat.hook_handles_made() and grads.hooked(runner.accumulated):
         raise RuntimeError(
             f"{runner.name}: a gradient hook (or main_grad) was put on one of its parameters after "
@@ -63,25 +57,6 @@ def check_in_graph_backward(runner: Any, invocation: Any) -> None:
             "would skip the hook, while eager autograd runs it. Register parameter hooks before "
             "the forward, or pass accumulate_grads_in_graph=False to make_graphed_callables."
         )
-    if not any(map(compat.engine_will_execute, runner.accumulators)):
-        return
-    reached = next(i for i, node in enumerate(runner.accumulators) if compat.engine_will_execute(node))
-    raise RuntimeError(
-        f"{runner.name}: this backward reaches parameter {_parameter_name(runner, reached)} by "
-        "another way too (it is used outside the graphed call, passed to it as an input, or "
-        "read by the graphs of another make_graphed_callables call): the graph adds its "
-        "gradient to .grad on its own and autograd adds the other use's after, where eager "
-        "autograd sums the two first (a different rounding). Pass "
-        "accumulate_grads_in_graph=False to make_graphed_callables (every parameter "
-        "gradient then goes through autograd), or graph the callables sharing a parameter "
-        "in one make_graphed_callables call."
-    )
-
-
-def _parameter_name(runner: Any, index: int) -> str:
-    p = runner.accumulated[index]
-    names = dict((id(q), n) for n, q in runner._module.named_parameters()) if runner._module is not None else {}
-    return repr(names.get(id(p), f"of shape {tuple(p.shape)}"))
 
 
 def check_updated_apart(runner: Any, inputs: tuple[torch.Tensor, ...]) -> None:

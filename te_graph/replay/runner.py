@@ -15,12 +15,14 @@ from ..capture.wgrad import check_still_delayed
 from ..records import GraphSpec, WarmupRecord
 from .copy_in import copy_in
 from .order import NO_CLOCK, ReplayContext
+from .in_graph import before_in_graph
 from .refusals import check_fresh, check_in_graph_backward, check_updated_apart, missing_gradient
 
-__all__ = ["Invocation", "Runner", "OBSERVED"]
+__all__ = ["Invocation", "Runner", "OBSERVED", "IN_GRAPH", "THROUGH_AUTOGRAD", "asks_none"]
 
 
 OBSERVED = -2  # Invocation.hooks_seen of a call whose forward found the parameters' gradients observed
+IN_GRAPH, THROUGH_AUTOGRAD = "in graph", "through autograd"  # Runner._asked, besides one flag per parameter
 
 
 class Invocation:
@@ -91,18 +93,18 @@ class Runner:
         self.layout = spec.layout
         self.shape = tuple(t.shape for t in spec.layout.samples)
         self.differentiable = spec.needs_backward
-        self.params = spec.params
         self.retains_graph = spec.retain_graph
-        # A leaf requiring grad passed to the autograd node on the in-graph path, so the node
-        # exists (and its backward replays, accumulating the parameters' grads) even when no
-        # input requires grad.
+        # A leaf requiring grad passed to the autograd node on the in-graph path. Its gradient
+        # accumulator tells a full backward (the engine runs it) from one asked only for some
+        # tensors' gradients (``torch.autograd.grad``, ``backward(inputs=...)``): nobody can ask
+        # for the anchor's.
         device = spec.static_inputs[0].device if spec.static_inputs else None
-        self.anchor = (torch.empty(0, device=device, requires_grad=True),) if self.params else ()
-        # Its gradient accumulator: whether the engine runs it tells a full backward from one
-        # asked only for some inputs' gradients.
+        self.anchor = (torch.empty(0, device=device, requires_grad=True),) if spec.params else ()
         self.anchor_node = compat.accumulate_grad_node(self.anchor[0]) if self.anchor else None
+        self._set_params(spec.params)
         self._module = spec.func if isinstance(spec.func, torch.nn.Module) else None  # for parameter names
         self.accumulated: tuple[torch.Tensor, ...] = ()  # what the in-graph path adds to .grad (_watch)
+        self.accumulated_ids: tuple[int, ...] = ()
         self.accumulators: tuple = ()
         self.clock = context.clock if context.clock is not None else NO_CLOCK
         self.generation = 0
@@ -191,11 +193,11 @@ class Runner:
         if self.order.retained:
             self.order.mark(self, self.refused_at_backward)
 
-    def _before_backward(self, invocation: Invocation, grads: tuple) -> tuple[bool, Any]:
-        """The backward's refusals; returns whether it is asked only for some inputs'
-        gradients (``_inputs_only``: no parameter takes one), and the first output the loss
-        left out (``refusals.missing_gradient``), or None."""
-        inputs_only = self._inputs_only(invocation)
+    def _before_backward(self, invocation: Invocation, grads: tuple) -> tuple[Any, Any]:
+        """The backward's refusals; returns which parameters it asks gradients for
+        (``_asked``), and the first output the loss left out (``refusals.missing_gradient``),
+        or None."""
+        asked = self._asked(invocation)
         missing = missing_gradient(self, invocation, grads) if self.multi_output else None
         if self.has_wgrad:
             self.wgrad_book.check_backward(self)
@@ -205,9 +207,10 @@ class Runner:
         if order.retained and invocation.backwards and invocation.generation == self.generation:
             order.check_kept(self, self.bit)
         check_fresh(self, invocation)
-        if invocation.hooks_seen != OBSERVED and not inputs_only:
+        if asked is IN_GRAPH and invocation.hooks_seen != OBSERVED and self.accumulated:
             check_in_graph_backward(self, invocation)
-        return inputs_only, missing
+            before_in_graph(self)
+        return asked, missing
 
     def _after_backward(self) -> None:
         order = self.order
@@ -237,18 +240,43 @@ class Runner:
             with torch.no_grad():
                 t.copy_(slot.tensor.clone() if shares else slot.tensor)
 
+    def _set_params(self, params: tuple[torch.Tensor, ...]) -> None:
+        """The parameters whose gradients leave its backward, and the tensors its autograd
+        node takes beside the inputs on the in-graph path: the anchor and the parameters
+        (edges of the node, so that a backward asked for a parameter's gradient reaches it)."""
+        self.params = params
+        self.edges = self.anchor + tuple(params)
+
+    def extra(self, through_autograd: bool) -> tuple[torch.Tensor, ...]:
+        """The tensors its autograd node takes beside the inputs at this call: the
+        parameters, whose gradients go through it, or the in-graph path's ``edges``."""
+        return self.params if through_autograd else self.edges
+
     def _watch(self, params: tuple[torch.Tensor, ...]) -> None:
-        """The parameters whose gradients the in-graph path adds to ``.grad`` without autograd,
-        and their gradient accumulators (held: the leaf holds its node weakly), which tell
-        whether a backward reaches a parameter by another way too."""
+        """The parameters whose gradients the in-graph path adds to ``.grad`` without autograd
+        (their ids for ``in_graph``), and their gradient accumulators, held (the leaf holds its
+        node weakly) so that hooks found on them stay theirs."""
         self.accumulated = params
+        self.accumulated_ids = tuple(map(id, params))
         self.accumulators = tuple(map(compat.accumulate_grad_node, params))
 
-    def _inputs_only(self, invocation: Invocation) -> bool:
-        """Whether this backward, off the autograd path, is asked only for some inputs'
-        gradients (``torch.autograd.grad``, ``backward(inputs=...)``): the engine will not
-        run the anchor's accumulator, and no parameter takes a gradient, as in eager."""
-        return not invocation.through_autograd and bool(self.anchor) and not compat.engine_will_execute(self.anchor_node)
+    def _asked(self, invocation: Invocation) -> Any:
+        """Where this backward's parameter gradients go: THROUGH_AUTOGRAD (the forward chose
+        it), IN_GRAPH (a full backward: added to ``.grad`` by the graph), or, for a backward
+        asked only for some tensors' gradients, one flag per parameter: whether it asks for
+        that one (autograd then gets it: ``torch.autograd.grad`` captures it,
+        ``backward(inputs=...)`` accumulates it; the others keep their ``.grad``)."""
+        if invocation.through_autograd:
+            return THROUGH_AUTOGRAD
+        if not self.anchor or compat.engine_will_execute(self.anchor_node):
+            return IN_GRAPH
+        return tuple(map(compat.engine_asks_for, self.params))
+
+
+def asks_none(asked: Any) -> bool:
+    """Whether a backward asked only for some tensors' gradients asks for no parameter's."""
+    return type(asked) is tuple and not any(asked)
+
 
 class _Nothing:
     """What ``Runner._waiting`` holds before the first call: a dead weak reference."""

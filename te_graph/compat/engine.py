@@ -1,0 +1,59 @@
+"""What the backward running now will do: the autograd engine's privates (part of ``compat``)."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+
+def accumulate_grad_node(leaf: torch.Tensor) -> Any:
+    """A leaf's gradient accumulator node (the way torch's own docs and DDP reach it: the
+    first next function of a view's grad_fn). Keep a reference: the node is made on demand
+    and the leaf holds it weakly."""
+    with torch.enable_grad():
+        return leaf.view_as(leaf).grad_fn.next_functions[0][0]
+
+
+_ACCUMULATE_GRAD = type(accumulate_grad_node(torch.zeros((), requires_grad=True)))
+
+
+def is_accumulate_grad(node: Any) -> bool:
+    """Whether an autograd node is a leaf's gradient accumulator, whose ``variable`` is the
+    leaf (a custom Function's node may carry an attribute of that name too)."""
+    return type(node) is _ACCUMULATE_GRAD
+
+
+# ``torch._C._will_engine_execute_node`` (private, torch >= 2.0; torch/utils/checkpoint.py uses it
+# to stop recompute early): whether the backward running now will execute a node. A
+# backward asked only for some tensors' gradients (``torch.autograd.grad``,
+# ``backward(inputs=...)``) executes only the nodes on the way to them.
+engine_will_execute: Callable[[Any], bool] = getattr(torch._C, "_will_engine_execute_node", lambda node: True)
+
+
+def engine_asks_for(leaf: torch.Tensor) -> bool:
+    """Whether the backward running now asks for ``leaf``'s gradient: ``backward(inputs=...)``
+    runs its accumulator, ``torch.autograd.grad`` captures it. For a captured leaf
+    ``_will_engine_execute_node`` raises instead of answering (torch >= 2.0, engine.cpp:
+    "A leaf node was passed to _will_engine_execute_node but we are currently running
+    autograd.grad()"): that refusal means yes."""
+    try:
+        return engine_will_execute(accumulate_grad_node(leaf))
+    except RuntimeError as error:
+        if "autograd.grad" in str(error):
+            return True
+        raise
+
+
+def after_this_backward(callback: Callable[[], None]) -> None:
+    """Run ``callback`` once the backward running now has finished (the engine's
+    ``queue_callback``, which DDP and FSDP use too); an error it raises leaves that backward."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+# ``torch._C._current_graph_task_id`` (private, torch >= 2.0; torch/utils/checkpoint.py uses it
+# for non-reentrant checkpoints): the id of the backward running on this thread, -1 outside one.
+graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+
+
+def in_backward() -> bool:
+    """Whether this thread runs inside a backward (an activation recompute, for one)."""
+    return graph_task_id() >= 0
