@@ -62,8 +62,8 @@ CALLS = 0  # a module global a forward counts its calls in
 
 
 class Reads(nn.Module):
-    """A forward that reads an activation, a dtype, an enum, a buffer, a dict and a list of
-    options from its module, a field of a config object it holds and of its sub-config, a
+    """A forward that reads an activation, a dtype, an enum, an int, a buffer, a dict and a
+    list of options from its module, a field of a config object it holds and of its sub-config, a
     class attribute, and a module global."""
 
     gain = 1.0  # read as self.gain
@@ -78,10 +78,13 @@ class Reads(nn.Module):
         self.opts = {"gain": 1.0}
         self.taps = [1.0]
         self.config = Options()
+        self.repeats = 1  # an int the forward reads: a mode, not a counter
 
     def forward(self, x):
         y = self.act(self.lin(x)) * self.scale * self.opts["gain"] * self.taps[0] * self.gain + self.config.shift
         y = y * self.config.rope.factor
+        for _ in range(self.repeats - 1):
+            y = y * 0.5
         if self.kind is Kind.PADDING or DOUBLED:
             y = y * 2
         return y.to(self.out_dtype)
@@ -108,6 +111,7 @@ CHANGES = [
     Change("dtype", lambda m: setattr(m, "out_dtype", torch.float64),
            "attribute 'out_dtype' of the module is torch.float64"),
     Change("enum", lambda m: setattr(m, "kind", Kind.PADDING), "attribute 'kind' of the module is <Kind.PADDING: 2>"),
+    Change("int", lambda m: setattr(m, "repeats", 2), "attribute 'repeats' of the module is 2, but was 1 at capture"),
     Change("patched-forward", lambda m: setattr(m.lin, "forward", lambda x: x),
            "'lin' has an instance attribute 'forward' now, which hides what its forward read"),
     Change("buffer-data", lambda m: setattr(m.scale, "data", torch.full((H,), 2.0, device=m.scale.device)),

@@ -134,7 +134,8 @@ class FrozenModule:
             attributes = sub.__dict__
             slots.append(_Slot(_ScriptAttributes(sub) if script else attributes, "training", where))
             values.append(sub.training)
-            if id(sub) in reads.recorded:
+            read = id(sub) in reads.recorded
+            if read:
                 recorded.append(sub)
                 names = watched_names(reads, sub, runtime)
             elif not skip_attributes(sub) and not script:
@@ -147,7 +148,10 @@ class FrozenModule:
                 if type(value) is torch.Tensor:
                     tensor_slots.append(_Slot(attributes, key, f"attribute {key!r} of {where}"))
                     tensor_values.append(value)
-                elif type(value) is not int:  # frameworks keep per-call counters in ints
+                elif read or type(value) is not int:
+                    # An int the forward was seen to read may steer it (a mode, a count); one it
+                    # was not seen to read may be a framework's per-call counter read elsewhere
+                    # (megatron-core's current_microbatch, read by its own replay routing).
                     slots.append(_Slot(attributes, key, f"attribute {key!r} of {where}"))
                     values.append(kept(value) if plain_value(value) else value)  # a dict of options: its contents
             buffers.extend((_qualified(prefix, k), b) for k, b in compat.buffer_slots(sub).items()
