@@ -164,9 +164,9 @@ class State:
         self.mark("a backward")
         loss.backward(**kwargs)
 
-    def autograd_grad(self, loss, inputs):
+    def autograd_grad(self, loss, inputs, **kwargs):
         self.mark("a backward")
-        return torch.autograd.grad(loss, inputs)
+        return torch.autograd.grad(loss, inputs, **kwargs)
 
     def step(self) -> None:
         """The optimizer step, observing grads before it and weights, buffers after."""
