@@ -51,6 +51,11 @@ class Precision:
         (the verifier's shadow: FP8 meta) is put back on exit."""
         return contextlib.nullcontext()
 
+    def scaling_state_in_use(self) -> Optional[str]:
+        """What quantizes now with scaling state kept from step to step (FP8 delayed
+        scaling), named for a message; None where nothing does."""
+        return None
+
 
 class _Off:
     """Options of a call without reduced precision."""

@@ -15,7 +15,8 @@ through the same (``checkpointing.torch_routing``). The gradients the captured b
 makes stay the parameters' ``.grad`` after each replay. What a step froze (its modules'
 attributes it read, the optimizer's hyperparameters, the process's settings) is checked at
 each call; ``verify=`` compares chosen replays with the eager step, bitwise; and
-``eager_replay=True`` runs the same wrapper without a graph.
+``eager_replay=True`` runs the same wrapper without a graph. A checkpointed region under
+FP8 that keeps scaling state (delayed scaling) is refused in warmup (``_Regions``).
 """
 from __future__ import annotations
 
@@ -53,14 +54,29 @@ __all__ = ["make_graphed_step", "GraphedStep"]
 _NAME = "the graphed step"
 
 
+_FP8_RECOMPUTE = (
+    "make_graphed_step: the step recomputes a checkpointed region (checkpointing.checkpoint or "
+    "torch.utils.checkpoint) under FP8 that keeps scaling state from step to step ({what}); such a step graphed "
+    "whole is not proven equal to eager (the loss of its first replay differs from eager's). Graph its layers "
+    "with make_graphed_callables instead (exact with FP8 and recompute), or graph the step without recompute, "
+    "or in bf16."
+)
+
+
 class _Regions:
     """``checkpointing.capture_hook``'s hook while the step warms up: regions run eagerly,
-    observed by the last pass's draw record."""
+    observed by the last pass's draw record. A region entered while the precision keeps
+    scaling state from step to step (FP8 delayed scaling) is refused before it runs: the
+    whole-step graph of such a recompute is not proven equal to eager, and warmup's
+    ``finally`` puts back what the step did before it."""
 
     def __init__(self, draws: Optional[ForwardDraws]):
         self.draws = draws
 
     def forward_region(self):
+        what = SEAM.precision.scaling_state_in_use()
+        if what is not None:
+            raise ValueError(_FP8_RECOMPUTE.format(what=what))
         return self.draws.forward_region() if self.draws is not None else contextlib.nullcontext()
 
 
@@ -104,7 +120,16 @@ class GraphedStep:
 
     # -- making it --------------------------------------------------------------------
     def prepare(self, num_warmup_iters: int, pool: Any) -> None:
-        """Warm up and capture (eager replay: warm up only); a failure puts everything back."""
+        """Warm up and capture (eager replay: warm up only); a failure puts everything back.
+        The precision's state (FP8 scales, amax histories), which StepState does not hold, is
+        put back last, as before warmup: the first replay starts where eager's next step would.
+        Last, since the host watcher keeps a tensor's value at its first in-place update through
+        torch, which for these may come after kernels of an extension updated them unseen
+        (TE 2.20 copies the forward's scales back in place for a recompute)."""
+        with SEAM.precision.kept(self.modules):
+            self._prepare(num_warmup_iters, pool)
+
+    def _prepare(self, num_warmup_iters: int, pool: Any) -> None:
         state = StepState(self.modules, self.optimizer, self.tracker)
         device_type = self.static_inputs[0].device.type if self.static_inputs else "cuda"
         host = HostState(device_type)
@@ -122,19 +147,16 @@ class GraphedStep:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext(), \
                     torch_checkpoint_routed():
                 draws = None
-                # The precision's state (FP8 scales, amax histories), which StepState does not
-                # hold, as before warmup: the first replay starts where eager's next step would.
-                with SEAM.precision.kept(self.modules):
-                    for iteration in range(num_warmup_iters):
-                        first, last = iteration == 0, iteration == num_warmup_iters - 1
-                        draws = ForwardDraws(self._live()) if last and not self.eager_replay else None
-                        with reads_recorded(self.modules, self.reads) if first else contextlib.nullcontext(), \
-                                host.watching(_NAME, self.tracker, known) if first else contextlib.nullcontext(), \
-                                capture_hook_set(_Regions(draws)):
-                            outputs = self._run()
-                        if first and outputs is not None:
-                            self.outputs = OutputLayout(_NAME, outputs).without_memory()
-                        del outputs
+                for iteration in range(num_warmup_iters):
+                    first, last = iteration == 0, iteration == num_warmup_iters - 1
+                    draws = ForwardDraws(self._live()) if last and not self.eager_replay else None
+                    with reads_recorded(self.modules, self.reads) if first else contextlib.nullcontext(), \
+                            host.watching(_NAME, self.tracker, known) if first else contextlib.nullcontext(), \
+                            capture_hook_set(_Regions(draws)):
+                        outputs = self._run()
+                    if first and outputs is not None:
+                        self.outputs = OutputLayout(_NAME, outputs).without_memory()
+                    del outputs
                 self.reads.check_per_call(_NAME)
                 state.restore()
                 if not self.eager_replay:
@@ -144,6 +166,10 @@ class GraphedStep:
                 torch.cuda.synchronize()
             succeeded = True
         finally:
+            if stream is not None and not succeeded:
+                # What the side stream did, before it is put back (the original error goes on).
+                with contextlib.suppress(RuntimeError):
+                    torch.cuda.current_stream().wait_stream(stream)
             if gc_enabled:
                 gc.enable()
             host.restore()
@@ -296,6 +322,10 @@ def make_graphed_step(step_fn: Callable, sample_args: Any, sample_kwargs: Option
         get_rng_state_tracker: the tracker whose streams the step forks (default: the process's).
         verify: compare chosen steps with the eager step (``te_graph.Verify``; as for
             ``make_graphed_callables``).
+
+    A step that recomputes a checkpointed region under FP8 that keeps scaling state
+    (Transformer Engine's delayed scaling) is refused with a ``ValueError`` in its first
+    warmup pass, everything put back: graphed whole it is not proven equal to eager.
     """
     if not callable(step_fn):
         raise TypeError(f"make_graphed_step: step_fn must be callable, got {describe_value(step_fn)}.")

@@ -5,7 +5,7 @@ engine's seam (``te_graph.extension``) on import; TE itself is imported only whe
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 
@@ -31,6 +31,23 @@ class FP8Precision(Precision):
     def replay(self, enabled: bool, options: Any, modules_: Sequence[Any], framework_modules: bool,
                graphs: bool) -> Any:
         return fp8_replay(enabled, options, modules_, framework_modules, graphs)
+
+    def scaling_state_in_use(self) -> Optional[str]:
+        """What quantizes now with scaling state kept from step to step, named for a message,
+        or None: TE's FP8 autocast under delayed scaling (amax history and scales), or a
+        custom recipe, which may ask for it (TE 2.20 ``_has_delayed_scaling_state``; the
+        recipes ``FP8Replay`` registers in the global amax buffers). TE is read only where the
+        process has imported it."""
+        if modules.te_loaded() is None:
+            return None
+        from transformer_engine.pytorch.quantization import FP8GlobalStateManager  # noqa: PLC0415
+
+        if not FP8GlobalStateManager.is_fp8_enabled():
+            return None
+        recipe = FP8GlobalStateManager.get_fp8_recipe()
+        if getattr(recipe, "delayed", lambda: False)() or getattr(recipe, "custom", lambda: False)():
+            return f"Transformer Engine's FP8 autocast with the {type(recipe).__name__} recipe"
+        return None
 
     @contextlib.contextmanager
     def kept(self, modules_: Sequence[Any]) -> Iterator[None]:
