@@ -7,11 +7,13 @@ routing clean. On the CPU: the module imports without cuda-bindings and refuses 
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
 import sys
 import time
+import weakref
 
 import pytest
 import torch
@@ -71,6 +73,22 @@ BAD_ARGUMENTS = [
 def test_bad_arguments_refused(call, error, match):
     with refused(error, match):
         call()
+
+
+@pytest.mark.parametrize("enabled", [True, False], ids=["collector-on", "collector-off"])
+def test_collector_pauses_nest_and_restore(enabled):
+    from te_graph.capture.conditional import guards
+    was = gc.isenabled()
+    (gc.enable if enabled else gc.disable)()
+    try:
+        guards.pause_collector()
+        with guards.collector_paused():  # a second node, on another thread or after the first
+            assert not gc.isenabled()
+        assert not gc.isenabled(), "the inner resume enabled the collector while a node is still captured"
+        guards.resume_collector()
+        assert gc.isenabled() is enabled
+    finally:
+        (gc.enable if was else gc.disable)()
 
 
 @pytest.fixture(autouse=True)
@@ -390,3 +408,74 @@ def test_body_misuse_refused():
     torch.cuda.synchronize()
     assert_same(out, torch.ones(2, device="cuda"))
     assert_clean(pool)
+
+
+# -- GPU: process state ----------------------------------------------------------------------------------
+def _unreachable_graph(replayed: bool):
+    """A graph holding a SWITCH node, reachable only through a reference cycle (as a failed test's
+    traceback holds its graph): ``(weak reference to it, the list that holds the cycle)``."""
+    pool, g = torch.cuda.graph_pool_handle(), torch.cuda.CUDAGraph()
+    sel, out = torch.tensor(1, device="cuda"), torch.zeros(4, device="cuda")
+    try:
+        with torch.cuda.graph(g, pool=pool):
+            with conditional.switch(sel, 2, pool=pool) as bodies:
+                for k, body in enumerate(bodies):
+                    with body:
+                        out.add_(torch.full((4,), float(k + 1), device="cuda"))
+                        if not replayed:
+                            raise KeyError("a failure in the body")
+    except KeyError:
+        pass
+    if replayed:
+        g.replay()
+        torch.cuda.synchronize()
+    cycle = [g, sel, out]
+    cycle.append(cycle)
+    return weakref.ref(g), [cycle]
+
+
+@gpu
+@pytest.mark.parametrize("replayed", [False, True], ids=["failed-capture", "replayed"])
+def test_collector_waits_while_a_node_is_captured(replayed):
+    """An earlier graph becomes garbage (in a cycle) before a later conditional capture, and its
+    body allocates enough to start an automatic collection. Freed there, the old graph's
+    destruction crashed the process when the capture ended; the collector waits for the node
+    instead, the capture replays as eager, and the next collection frees the old graph."""
+    thresholds, enabled = gc.get_threshold(), gc.isenabled()
+    gc.collect()
+    gc.disable()  # the old graph stays in the youngest generation until the body
+    try:
+        old, holder = _unreachable_graph(replayed)
+        sel, out = torch.tensor(0, device="cuda"), torch.zeros(4, device="cuda")
+        g, pool = torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
+        gc.set_threshold(50_000)
+        gc.enable()
+        with torch.cuda.graph(g, pool=pool):
+            holder.clear()  # the old graph is garbage from here on
+            with conditional.switch(sel, 2, pool=pool) as bodies:
+                for k, body in enumerate(bodies):
+                    with body:
+                        junk = [[] for _ in range(100_000)]  # past the threshold: a collection is due
+                        del junk
+                        assert old() is not None, "a collection ran inside the body"
+                        out.copy_(torch.full((4,), float(k + 10), device="cuda"))
+            assert gc.isenabled(), "the collector stayed off after the node"
+        gc.collect()
+        assert old() is None, "the old graph was not freed by the next collection"
+        for value, want in ((0, 10.0), (1, 11.0), (2, 11.0)):
+            sel.fill_(value)
+            g.replay()
+            assert_same(out, torch.full((4,), want, device="cuda"), f"index {value}")
+    finally:
+        gc.set_threshold(*thresholds)
+        (gc.enable if enabled else gc.disable)()
+    assert_clean(pool)
+
+
+@gpu
+def test_prepare_as_the_first_cuda_call_of_a_process():
+    code = "from te_graph.capture import conditional; print('kernel', conditional.prepare())"
+    done = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.dirname(__file__)),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-2:] in (["kernel", "nvrtc"], ["kernel", "ptx"]), done.stdout

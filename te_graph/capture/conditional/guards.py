@@ -16,11 +16,15 @@
 
 Kernels that draw random numbers, launch NCCL or wait for the GPU below torch's dispatcher (an
 extension's own C++ calls) are not seen: keep them outside the bodies.
+
+**Automatic garbage collection** is paused while a node is captured (:func:`pause_collector`):
+a collection there may free a graph of an earlier capture that only a reference cycle kept.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import threading
 from typing import Any, Iterator, Optional
 
@@ -28,7 +32,8 @@ import torch
 
 from ... import compat
 
-__all__ = ["ConditionalCaptureError", "body_guard", "in_body"]
+__all__ = ["ConditionalCaptureError", "body_guard", "in_body", "pause_collector", "resume_collector",
+           "collector_paused"]
 
 _COLLECTIVES = ("c10d", "_c10d_functional", "c10d_functional", "_dtensor")
 _STREAM_CALLS = (("Event", "record"), ("Event", "wait"), ("Stream", "wait_event"), ("Stream", "wait_stream"),
@@ -155,3 +160,46 @@ def body_guard(name: str) -> Iterator[None]:
             yield
     finally:
         _local.body = None
+
+
+# -- the cyclic garbage collector -------------------------------------------------------------------
+_collector_lock = threading.Lock()
+_collector_pauses = 0
+_collector_was_enabled = False
+
+
+def pause_collector() -> None:
+    """Stop automatic collections until the matching :func:`resume_collector` (counted across
+    threads and nodes; the collector is process-wide). Python may collect at any allocation;
+    one inside a body can free a ``torch.cuda.CUDAGraph`` of an earlier capture that only a
+    reference cycle kept (an exception's traceback keeps its frame's graph), so its executable
+    graph is destroyed inside the body's capture, the suspected cause of a crash in torch's
+    ``capture_end`` (docs/conditional-nodes.md, Failures): a body capture invalidated by a
+    driver call makes the CUDA 13.0 driver crash when the capture ends (NVIDIA/cuda-python#2918).
+    Garbage found meanwhile waits for the next collection after the node; an explicit
+    ``gc.collect()`` in a body is not stopped."""
+    global _collector_pauses, _collector_was_enabled
+    with _collector_lock:
+        if _collector_pauses == 0:
+            _collector_was_enabled = gc.isenabled()
+            gc.disable()
+        _collector_pauses += 1
+
+
+def resume_collector() -> None:
+    """End one :func:`pause_collector`; the last one enables the collector where it was enabled."""
+    global _collector_pauses
+    with _collector_lock:
+        _collector_pauses -= 1
+        if _collector_pauses == 0 and _collector_was_enabled:
+            gc.enable()
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """No automatic garbage collection inside the block (:func:`pause_collector`)."""
+    pause_collector()
+    try:
+        yield
+    finally:
+        resume_collector()

@@ -16,7 +16,7 @@ import torch
 from checkpointing.recompute_state import cuda_stream_capturing
 
 from . import driver, runtime
-from .guards import ConditionalCaptureError, body_guard, in_body
+from .guards import ConditionalCaptureError, body_guard, collector_paused, in_body, pause_collector, resume_collector
 
 __all__ = ["switch", "if_", "Switch", "Body", "native_if_available"]
 
@@ -127,7 +127,7 @@ class Switch:
         self._kernel_source = kernel_source
         self._bodies: list[Body] = []
         self._open: Optional[Body] = None
-        self._closed = False
+        self._closed = self._paused = False
 
     def __repr__(self) -> str:
         return self.name
@@ -157,17 +157,26 @@ class Switch:
         if driver.capture_info(home) is None:
             raise ConditionalCaptureError(f"{name}: the current stream is not capturing")
         runtime.route_to_pool(device, self._pool)  # ValueError for a pool not being captured into
-        context = driver.context_of(home)
-        default = 0 if self._kind == driver.IF else self.n
-        handle = driver.create_handle(driver.capture_info(home).graph, context, default)
-        kernel.launch(home, handle, value.data_ptr(), value.element_size(), self.n, self._kind == driver.IF)
-        node, graphs = driver.add_conditional(driver.capture_info(home), context, handle, self._kind, self.n)
-        driver.continue_after(home, node)
-        self._bodies = [Body(self, i, g) for i, g in enumerate(graphs)]
+        pause_collector()  # until __exit__: no graph of an earlier capture freed while this node is captured
+        try:
+            context = driver.context_of(home)
+            default = 0 if self._kind == driver.IF else self.n
+            handle = driver.create_handle(driver.capture_info(home).graph, context, default)
+            kernel.launch(home, handle, value.data_ptr(), value.element_size(), self.n, self._kind == driver.IF)
+            node, graphs = driver.add_conditional(driver.capture_info(home), context, handle, self._kind, self.n)
+            driver.continue_after(home, node)
+            self._bodies = [Body(self, i, g) for i, g in enumerate(graphs)]
+        except BaseException:
+            resume_collector()
+            raise
+        self._paused = True
         return self
 
     def __exit__(self, *raised: Any) -> None:
         self._closed = True
+        if self._paused:
+            self._paused = False
+            resume_collector()
 
     def __len__(self) -> int:
         return len(self._bodies)
@@ -219,9 +228,10 @@ def if_(flag: torch.Tensor, *, pool: Any = None, capture_error_mode: str = "thre
     _check_capture("if_", flag)
     graph = torch.cuda.CUDAGraph.get_currently_capturing_graph()
     predicate = flag.reshape(()) if flag.dtype == torch.bool else flag.reshape(()) != 0
-    graph.begin_capture_to_if_node(predicate)
-    try:
-        with body_guard("the body of if_"):
-            yield
-    finally:
-        graph.end_capture_to_conditional_node()
+    with collector_paused():
+        graph.begin_capture_to_if_node(predicate)
+        try:
+            with body_guard("the body of if_"):
+                yield
+        finally:
+            graph.end_capture_to_conditional_node()

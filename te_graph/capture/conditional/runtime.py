@@ -41,6 +41,7 @@ class DeviceRuntime:
             if self._kernel is None:
                 major, minor = torch.cuda.get_device_capability(self.device)
                 with torch.cuda.device(self.device):
+                    _context_current(self.device)
                     self._kernel = driver.SetKernel(f"{major}{minor}", source)
             return self._kernel
 
@@ -49,6 +50,7 @@ class DeviceRuntime:
         with _lock:
             if self._stream is None:
                 with torch.cuda.device(self.device):
+                    _context_current(self.device)
                     self._raw_stream = driver.create_stream()
                     self._stream = torch.cuda.ExternalStream(self._raw_stream, device=self.device)
                     _warm_up(self._stream)
@@ -71,6 +73,14 @@ class DeviceRuntime:
         if stream is not None:
             stream.synchronize()
             driver.destroy_stream(raw)
+
+
+def _context_current(device: int) -> None:
+    """torch's primary context of ``device`` current on this thread, which the driver calls need:
+    torch makes it at its first CUDA work, so a process whose first CUDA call is ``prepare()``
+    has none yet (cuStreamCreate: CUDA_ERROR_INVALID_CONTEXT). A device synchronize makes it;
+    the runtime is prepared outside any capture."""
+    torch.cuda.synchronize(device)
 
 
 def _warm_up(stream: torch.cuda.ExternalStream) -> None:
