@@ -45,7 +45,8 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _PLAIN_GRAD = (type(None), torch.Tensor)
 
 
-def _has_main_grad(param: torch.Tensor) -> bool:
+def has_main_grad(param: torch.Tensor) -> bool:
+    """Whether ``param`` carries Megatron's ``main_grad``."""
     return "main_grad" in param.__dict__
 
 
@@ -60,7 +61,7 @@ def hooked(params: Sequence[torch.Tensor]) -> bool:
     """Whether something outside autograd's own accumulation observes one of ``params``'
     gradients: hooks on it, or Megatron's ``main_grad`` (its DDP hooks the gradient
     accumulator). A few C-level attribute reads per parameter."""
-    return _tensor_hooked(params) or any(map(_has_main_grad, params))
+    return _tensor_hooked(params) or any(map(has_main_grad, params))
 
 
 @contextlib.contextmanager
@@ -115,7 +116,7 @@ class ParamGrads:
         return (
             self.tied
             or self._hooked()
-            or any(map(_has_main_grad, self.params))
+            or any(map(has_main_grad, self.params))
             or any(type(p.grad) not in _PLAIN_GRAD for p in self._subclass_params)
         )
 
@@ -174,6 +175,6 @@ class ParamGrads:
         if not clone:
             return tuple(b.detach() for b in self.buffers)
         return tuple(
-            b.clone() if (p.grad is None and not _has_main_grad(p)) or compat.tensor_hooks(p) else b.detach()
+            b.clone() if (p.grad is None and not has_main_grad(p)) or compat.tensor_hooks(p) else b.detach()
             for p, b in zip(self.params, self.buffers)
         )

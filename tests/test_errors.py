@@ -244,6 +244,52 @@ def test_a_weight_tied_across_two_graphing_calls_is_refused_at_the_backward(devi
         b(a(_x(device))).sum().backward()
 
 
+def _selective_backwards(device):
+    """Backwards asked for some tensors' gradients, each as a function of (loss, model, x)."""
+    return [
+        lambda loss, m, x: loss.backward(inputs=[m[1].lin.weight]),
+        lambda loss, m, x: loss.backward(inputs=[x, m[0].lin.bias]),
+        lambda loss, m, x: [setattr(p, "grad", g) for p, g in zip(
+            (m[0].lin.weight, m[1].lin.bias), torch.autograd.grad(loss, [m[0].lin.weight, m[1].lin.bias]))],
+        lambda loss, m, x: setattr(x, "grad", torch.autograd.grad(loss, [x])[0]),
+        lambda loss, m, x: loss.backward(),
+    ]
+
+
+@pytest.mark.parametrize("observed", ["hook", "regulariser-and-hook", "tied-across-callables", "none"])
+@pytest.mark.parametrize("device, eager_replay", harness.DEVICE_MODES)
+def test_backwards_asked_for_some_gradients_equal_eager(device, eager_replay, observed):
+    """torch.autograd.grad and backward(inputs=...) over parameters and inputs of graphed layers,
+    where a hook observes a parameter's gradient (the graphs hand the gradients to autograd),
+    where weights are tied across the callables, and where nothing observes them (the graph
+    adds them to .grad itself): each parameter's and the input's gradient as eager's, bitwise."""
+    def build():
+        first, second = _two_layers(device)
+        if observed == "tied-across-callables":
+            second.lin.weight = first.lin.weight
+        model = nn.ModuleList([first, second])
+        if observed != "none" and observed != "tied-across-callables":
+            model[0].lin.weight.register_hook(lambda g: g * 1.0)
+        return model
+
+    def loss_of(m, calls, x):
+        y = calls[1](torch.tanh(calls[0](x)))
+        extra = (m[0].lin.weight ** 2).sum() * 1e-3 if observed == "regulariser-and-hook" else 0.0
+        return (y * torch.linspace(-1, 1, 4, device=device)).sum() + extra
+
+    graphed_model, reference = build(), build()
+    reference.load_state_dict(graphed_model.state_dict())
+    calls = make_graphed_callables(tuple(graphed_model), ((_x(device),), (_x(device),)), eager_replay=eager_replay)
+    for step, backward in enumerate(_selective_backwards(device)):
+        for m, f in ((graphed_model, calls), (reference, list(reference))):
+            torch.manual_seed(step)
+            x = _x(device)
+            backward(loss_of(m, f, x), m, x)
+            m.x = x
+        harness.assert_same([p.grad for p in graphed_model.parameters()] + [graphed_model.x.grad],
+                            [p.grad for p in reference.parameters()] + [reference.x.grad], f"backward {step}")
+
+
 @pytest.mark.parametrize("device, eager_replay", harness.DEVICE_MODES)
 def test_inputs_sharing_memory_with_one_the_forward_updates_are_refused(device, eager_replay):
     class Accumulates(Lin):

@@ -21,10 +21,11 @@ anything, saying what changed and to graph again.
 Plain tensor attributes are compared by identity (a new tensor over the same memory is
 taken in: the graphs read them by address).
 
-What no fingerprint here sees: attributes of objects that are not modules (a config
-object the forward reads), integer attributes (a framework's per-call counters live
-there), tuples, subclasses of the watched types (NumPy scalars), class attributes and
-attributes created after graphing, the Python attributes of modules an integration checks itself
+What no fingerprint here sees (``guards.outside`` watches config objects, module globals and
+class attributes the forward reads): integer attributes the forward was not seen to read
+(a framework's per-call counters live there), tuples and subclasses of the watched types
+(NumPy scalars) on modules whose reads are not recorded, attributes created after
+graphing, the Python attributes of modules an integration checks itself
 (Transformer Engine's: its FP8 steps check their per-call state), values closed over by a function, and
 tensors' contents.
 """
@@ -47,9 +48,10 @@ from .reads import ForwardReads, kept, plain_value, watched_names
 
 __all__ = ["FrozenModule", "REGRAPH"]
 
-# Attribute values compared by identity at every call (a new object equal to the old one
-# is taken in on the slow path). Integers are left out: frameworks keep per-call counters
-# on layers (Megatron's ``current_microbatch``).
+# Attribute values of modules whose reads are not recorded, compared by identity at every
+# call (a new object equal to the old one is taken in on the slow path). Integers are left
+# out there: frameworks keep per-call counters on layers (Megatron's ``current_microbatch``);
+# an int a recorded forward read is watched.
 _WATCHED = (bool, float, str, type(None))
 _getitem = operator.getitem
 _requires_grad = operator.attrgetter("requires_grad")
@@ -328,6 +330,10 @@ class FrozenModule:
             elif slot.key == "training" and isinstance(now, bool):
                 found.append(f"{slot.what} is in {'train' if now else 'eval'} mode, but was in "
                              f"{'train' if then else 'eval'} mode at capture")
+            elif type(then) is int and type(now) is int:
+                found.append(f"{slot.what} is {now!r}, but was {then!r} at capture (an int the forward reads; "
+                             "one that changes at every call, such as a step counter, keep in a tensor updated "
+                             "in place, or read it outside the graphed forward)")
             else:
                 found.append(f"{slot.what} is {now!r}, but was {then!r} at capture")
         for name, p, then in zip(self._addressed_names, self._addressed, self._pointers):

@@ -45,28 +45,46 @@ class EagerRunner(Runner):
         self.input_slots = tuple(map(Slot, spec.static_inputs))
         self.output = warmup.output
         self._take_outputs(warmup.output.tensors, warmup.fed)
-        # The parameters whose gradients the graphs always hand to autograd (tied weights;
-        # all with accumulate_grads_in_graph=False) do the same here: the forward runs on
-        # stand-ins for them (``capture.parameters``), whose fresh gradients leave the backward through
-        # the call's autograd node, so every use of one is summed before it reaches .grad.
+        # Where the graphs hand parameter gradients to autograd (tied weights, and all with
+        # accumulate_grads_in_graph=False, always; at a call where DDP or a hook observes them),
+        # eager replay does the same: the forward runs on stand-ins for the parameters
+        # (``capture.parameters``), whose fresh gradients leave the backward through the call's
+        # autograd node, so every use of one is summed before it reaches .grad, and a backward
+        # asked for some of them reaches them. Parameters carrying Megatron's main_grad keep
+        # the real module (Transformer Engine flags grad_added_to_main_grad on the parameter
+        # its kernel wrote): only their tied ones are routed, as before.
         used = [p for i, p in enumerate(spec.params) if i not in warmup.unused_params]
-        routed = used if context.options.always_autograd else [spec.params[i] for i in sorted(spec.tied_params)]
-        self.routed = StandIns([spec.func], only=routed) if routed and isinstance(spec.func, torch.nn.Module) else None
+        tied = [spec.params[i] for i in sorted(spec.tied_params)]
+        module = spec.func if isinstance(spec.func, torch.nn.Module) else None
+        self.routed_all = StandIns([module], only=used) if used and module is not None else None
+        self.routed_tied = StandIns([module], only=tied) if tied and module is not None else None
+        self.always_routed = context.options.always_autograd
         if spec.needs_backward:  # unrouted, the real parameters take their gradients in the nested backward
             self._watch(tuple(used))
         self.handout = EagerOutputs(self.name, spec)
-        self._observed = False  # whether something observes the parameters' gradients at this call (``extra``)
+        self._route: Any = None  # the stand-ins of this call (``through_autograd``)
+        self._real_observed = False  # DDP or hooks observe the real parameters at this call, unrouted
 
     def through_autograd(self) -> bool:
-        # Otherwise the real module runs: its parameters' hooks see autograd as usual.
-        return self.routed is not None
+        self._route, self._real_observed = self._route_now()
+        return self._route is not None
+
+    def _route_now(self) -> tuple[Any, bool]:
+        """The stand-ins this call runs on (None: the real module), and whether the real
+        parameters' gradients are observed (DDP, hooks, main_grad) where they are not routed."""
+        if self.routed_all is None:
+            return None, False
+        if self.always_routed:
+            return self.routed_all, False
+        observed = compat.ddp_forward_active() or grads.hooked(self.accumulated)
+        if any(map(grads.has_main_grad, self.accumulated)):
+            return self.routed_tied, observed
+        return (self.routed_all, False) if observed or self.routed_tied is not None else (None, False)
 
     def extra(self, through_autograd: bool) -> tuple[torch.Tensor, ...]:
-        # Where its forward finds the gradients observed (DDP, hooks), the real parameters
-        # take theirs in the nested backward, hooks and all: edges to them would run their
-        # accumulators' hooks a second time.
-        self._observed = compat.ddp_forward_active() or grads.hooked(self.accumulated)
-        if not through_autograd and self._observed:
+        # Real parameters observed at this call take their gradients in the nested backward,
+        # hooks and all: edges to them would run their accumulators' hooks a second time.
+        if not through_autograd and self._real_observed:
             return self.anchor
         return super().extra(through_autograd)
 
@@ -81,10 +99,11 @@ class EagerRunner(Runner):
         args, kwargs = spec.layout.unflatten(self.static_inputs)
         if is_first_microbatch is not None and self.takes_first_microbatch:
             kwargs["is_first_microbatch"] = is_first_microbatch  # TE's weight cache, eagerly
-        routed = self.routed is not None and through_autograd
+        route = (self._route or self.routed_all) if through_autograd else None
+        routed = route is not None
         self._replaying_forward()
         with torch.enable_grad() if spec.needs_backward and with_backward else torch.no_grad():
-            with self.routed.installed() if routed else contextlib.nullcontext():
+            with route.installed() if routed else contextlib.nullcontext():
                 outputs = self.output.tensors_of(spec.call(*args, **kwargs))
         if self.updated:
             self._copy_back(inputs)
@@ -92,10 +111,11 @@ class EagerRunner(Runner):
         # Unrouted, the real parameters take their gradients where the graphs would add them in
         # the graph, unless something observed them at this forward (the graphs then go
         # through autograd): the same checks at the backward as the graphs'.
-        observed = routed or self._observed
+        observed = routed or self._real_observed
         invocation = Invocation(self.generation, tick, (), (), routed, outputs, False,
                                 OBSERVED if observed else compat.hook_handles_made(),
                                 self.idle_now(inputs) if self.idle_outputs and with_backward else ())
+        invocation.route = route
         detached = self.handout.hand_out(outputs)
         return (self._issued(invocation) if with_backward else invocation), detached
 
@@ -121,9 +141,11 @@ class EagerRunner(Runner):
             self._after_backward()
             self._reused()
             return input_grads + (None,) + tuple(next(found, None) if a else None for a in asked)
-        routed = self.routed(self.params) if asked is THROUGH_AUTOGRAD else ()
+        routed = invocation.route(self.params) if asked is THROUGH_AUTOGRAD else ()
         stand_ins = [p for p in routed if p is not None]
-        with grads_redirected(self.spec.grad_inputs + tuple(stand_ins)):
+        # Installed again: a reentrant checkpoint in the forward runs it again in this backward.
+        with grads_redirected(self.spec.grad_inputs + tuple(stand_ins)), \
+                invocation.route.installed() if stand_ins else contextlib.nullcontext():
             if pairs:
                 torch.autograd.backward(outputs, grads_, retain_graph=self.retains_graph)
             self._after_backward()

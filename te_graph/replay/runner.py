@@ -29,7 +29,7 @@ class Invocation:
     """One forward call's state, kept on its autograd node until its backward."""
 
     __slots__ = ("generation", "tick", "record", "copy_grads", "outputs", "backwards", "through_autograd", "fp8_first",
-                 "hooks_seen", "idle", "start", "__weakref__")
+                 "hooks_seen", "idle", "start", "route", "__weakref__")
 
     def __init__(self, generation: int, tick: int, record: tuple, copy_grads: tuple, through_autograd: bool,
                  outputs: Any = None, fp8_first: bool = False, hooks_seen: int = OBSERVED, idle: tuple = ()):
@@ -51,6 +51,8 @@ class Invocation:
         # Where the streams its forward draws from stood at its replay, for a backward that
         # reruns the forward eagerly (``partial_backward``); set by the graph runner.
         self.start: tuple = ()
+        # Eager replay: the parameter stand-ins its forward ran on (``EagerRunner``), or None.
+        self.route: Any = None
 
 
 class Runner:
