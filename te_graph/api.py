@@ -189,6 +189,9 @@ def make_graphed_callables(
 
     # 5. Wrap: one graphed callable per graph; modules keep their identity.
     graphed = _wrap(spec_sets, _in_given_order(prepared, first), options, pool, fp8, lease, tracker)
+    # Weights these graphs share with graphs made before take autograd's path there too, as here
+    # (``intake.specs``: tied): autograd then sums every use's gradient first, as in eager code.
+    RESOURCES.share_parameters(graphed, {id(p) for specs in spec_sets for spec in specs for p in spec.params})
     if verification is not None:
         for function in graphed:
             turn_on(function, verification)

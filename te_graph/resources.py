@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -80,6 +80,9 @@ class Graphed:
         raise NotImplementedError
 
     def accumulated_parameters(self) -> Iterator[torch.Tensor]:
+        raise NotImplementedError
+
+    def share_parameters(self, ids: set) -> None:
         raise NotImplementedError
 
 
@@ -162,6 +165,14 @@ class ProcessResources:
         """Ids of the parameters whose gradients live graphs may add to ``.grad`` without
         autograd: a later call graphing one of them treats it as a tied weight."""
         return frozenset(id(p) for graphed in self.live_callables() for p in graphed.accumulated_parameters())
+
+    def share_parameters(self, new: Iterable[Graphed], ids: set) -> None:
+        """Graphs made earlier than ``new`` whose parameter gradients they add to ``.grad``
+        themselves hand those of the parameters ``ids`` to autograd from now on."""
+        made = {id(g) for g in new}
+        for graphed in self.live_callables():
+            if id(graphed) not in made:
+                graphed.share_parameters(ids)
 
     def teardown(self) -> None:
         """Free every graphed callable's graphs and buffers and the per-device objects, and

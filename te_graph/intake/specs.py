@@ -31,7 +31,7 @@ def make_specs(
     ordered = options.order is not None
     # Tied weights: parameters several of these callables use, or that graphs made by an
     # earlier call accumulate (this call's gradients then go through autograd, and the
-    # earlier graphs' backward refuses the second use: ``replay.in_graph``).
+    # earlier graphs' too once this call has made its graphs: ``Runner.share``).
     context = SpecContext(grad_enabled, options.retain_graph_in_backward, SampleMemory(),
                           _shared_parameters(callables) | RESOURCES.parameters_in_graphs())
     spec_sets = [

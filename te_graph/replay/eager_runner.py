@@ -64,6 +64,7 @@ class EagerRunner(Runner):
         self.handout = EagerOutputs(self.name, spec)
         self._route: Any = None  # the stand-ins of this call (``through_autograd``)
         self._real_observed = False  # DDP or hooks observe the real parameters at this call, unrouted
+        self._shared_later = False  # graphs of a later call use one of its parameters (``share``)
 
     def through_autograd(self) -> bool:
         self._route, self._real_observed = self._route_now()
@@ -79,7 +80,11 @@ class EagerRunner(Runner):
         observed = compat.ddp_forward_active() or grads.hooked(self.accumulated)
         if any(map(grads.has_main_grad, self.accumulated)):
             return self.routed_tied, observed
-        return (self.routed_all, False) if observed or self.routed_tied is not None else (None, False)
+        routed = observed or self.routed_tied is not None or self._shared_later
+        return (self.routed_all, False) if routed else (None, False)
+
+    def _shared(self) -> None:
+        self._shared_later = True
 
     def extra(self, through_autograd: bool) -> tuple[torch.Tensor, ...]:
         # Real parameters observed at this call take their gradients in the nested backward,

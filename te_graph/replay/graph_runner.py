@@ -53,6 +53,10 @@ class GraphRunner(Runner):
             self.always_autograd or compat.ddp_forward_active() or self.graph.param_grads.observed()
         )
 
+    def _shared(self) -> None:
+        if self.graph is not None and self.graph.param_grads is not None:
+            self.graph.param_grads.tied = True  # observed from now on: through autograd, with copies
+
     def _grad_copied(self, t: torch.Tensor, buffer: Optional[torch.Tensor]) -> bool:
         """Whether the grad of input ``t`` leaves the backward as a copy of its static buffer.
 

@@ -124,6 +124,12 @@ class GraphedCallable(Graphed):
         for runner in self._runners.values():
             yield from runner.accumulated
 
+    def share_parameters(self, ids: set) -> None:
+        """Parameters (by id) that graphs of a later call use too: their gradients go through
+        autograd from the next call on (``Runner.share``)."""
+        for runner in self._runners.values():
+            runner.share(ids)
+
     def awaits_backward(self) -> bool:
         """Whether one of its graphs holds the activations of a call whose backward has not run
         (another call now would be refused: a graph reuses its activations at every call)."""

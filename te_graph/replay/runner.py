@@ -262,6 +262,15 @@ class Runner:
         self.accumulated_ids = tuple(map(id, params))
         self.accumulators = tuple(map(compat.accumulate_grad_node, params))
 
+    def share(self, ids: set) -> None:
+        """Where one of its in-graph parameters is among ``ids`` (graphs of a later call use it
+        too): its calls hand their parameter gradients to autograd from now on."""
+        if not ids.isdisjoint(self.accumulated_ids):
+            self._shared()
+
+    def _shared(self) -> None:
+        raise NotImplementedError
+
     def _asked(self, invocation: Invocation) -> Any:
         """Where this backward's parameter gradients go: THROUGH_AUTOGRAD (the forward chose
         it), IN_GRAPH (a full backward: added to ``.grad`` by the graph), or, for a backward
