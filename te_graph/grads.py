@@ -157,7 +157,7 @@ class ParamGrads:
                 p.grad = grad.clone()
         compat.zero_(self.buffers)
 
-    def for_autograd(self, clone: bool) -> tuple[torch.Tensor, ...]:
+    def for_autograd(self, clone: bool, always: bool = False) -> tuple[torch.Tensor, ...]:
         """After the replay: each parameter's fresh gradient, to hand to autograd.
 
         With ``clone`` the gradient is copied wherever autograd or a hook could keep it (the
@@ -168,9 +168,10 @@ class ParamGrads:
         ``.grad`` still viewing the buffer at the next replay is moved out first
         (``prepare_autograd``), so a copy would only cost a kernel per parameter per call.
         """
-        if self.tied:
+        if self.tied or always:
             # Another graph's backward in this same backward zeroes and refills the shared
-            # buffer before autograd has summed this gradient with its.
+            # buffer before autograd has summed this gradient with its (``always``: the
+            # caller keeps them, ``torch.autograd.grad``).
             return tuple(b.clone() for b in self.buffers)
         if not clone:
             return tuple(b.detach() for b in self.buffers)

@@ -1,7 +1,7 @@
 """What the backward running now will do: the autograd engine's privates (part of ``compat``)."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -42,6 +42,22 @@ def engine_asks_for(leaf: torch.Tensor) -> bool:
         if "autograd.grad" in str(error):
             return True
         raise
+
+
+def engine_captures(nodes: Sequence[Any]) -> bool:
+    """Whether the backward running now is a ``torch.autograd.grad`` that captures the
+    gradient of a leaf among those whose accumulators are ``nodes`` (it hands them to its
+    caller, who keeps them). One query where the first node will execute (a full backward,
+    or ``backward(inputs=...)`` naming it: neither captures anything)."""
+    for node in nodes:
+        try:
+            if engine_will_execute(node) and node is nodes[0]:
+                return False
+        except RuntimeError as error:
+            if "autograd.grad" in str(error):
+                return True
+            raise
+    return False
 
 
 def after_this_backward(callback: Callable[[], None]) -> None:

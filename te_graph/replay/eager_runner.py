@@ -52,7 +52,7 @@ class EagerRunner(Runner):
         # autograd node, so every use of one is summed before it reaches .grad, and a backward
         # asked for some of them reaches them. Parameters carrying Megatron's main_grad keep
         # the real module (Transformer Engine flags grad_added_to_main_grad on the parameter
-        # its kernel wrote): only their tied ones are routed, as before.
+        # its kernel wrote): only their tied ones are routed.
         used = [p for i, p in enumerate(spec.params) if i not in warmup.unused_params]
         tied = [spec.params[i] for i in sorted(spec.tied_params)]
         module = spec.func if isinstance(spec.func, torch.nn.Module) else None

@@ -153,7 +153,9 @@ class GraphRunner(Runner):
             for g, copy in zip(graph.static_grad_inputs, invocation.copy_grads)
         )
         if asked is THROUGH_AUTOGRAD:
-            return input_grads + graph.param_grads.for_autograd(self.clone_param_grads)
+            # torch.autograd.grad keeps what it is handed: copies, never the buffers.
+            captured = self.accumulators and compat.engine_captures(self.accumulators)
+            return input_grads + graph.param_grads.for_autograd(self.clone_param_grads, always=captured)
         if in_graph or not any(asked):
             return input_grads + (None,) * len(self.edges)
         # Copies: torch.autograd.grad hands them to the caller, and the next replay rewrites the buffers.
@@ -164,6 +166,8 @@ class GraphRunner(Runner):
         refuse_rerun(self, missing)
         result = backward_recomputed(self, invocation, grads, asked)
         self._after_backward()
+        if asked is IN_GRAPH and invocation.hooks_seen != OBSERVED:
+            after_in_graph(self)
         if self.borrowed:
             self.handout.after_reuse()
         return result

@@ -10,13 +10,15 @@ from it: another rounding. The parameters are edges of the call's autograd node 
 beforehand whether something else reaches them. Instead:
 
 * a second in-graph backward of a parameter in the same backward is refused before its
-  replay (a set per backward);
+  replay (a set per backward; the first call's addition is in ``.grad`` by then);
 * autograd's own addition moves ``.grad``'s version counter, which a graph's replay never
   does: at the end of the backward, a moved counter is refused.
 """
 from __future__ import annotations
 
 import operator
+import threading
+import weakref
 from typing import Any
 
 import torch
@@ -39,7 +41,8 @@ _AFTER = " (the .grad this backward left is not eager's: zero the gradients befo
 
 class _Backward:
     """What the in-graph calls of one backward added: the parameters, and each call's
-    ``.grad`` tensors with their version counters right after its replay."""
+    ``.grad`` tensors with their version counters right after its replay (held weakly: a
+    backward that fails before its end leaves its book unchecked, and keeps nothing alive)."""
 
     __slots__ = ("params", "calls")
 
@@ -48,6 +51,7 @@ class _Backward:
         self.calls: list[tuple[Any, tuple, tuple]] = []
 
 
+_lock = threading.Lock()  # a backward's nodes may run on the calling thread and a device thread
 _running: dict[int, _Backward] = {}  # per backward running (its graph task id); most hold one
 
 
@@ -55,44 +59,55 @@ def before_in_graph(runner: Any) -> None:
     """Before ``runner``'s in-graph backward: refused where a call of this same backward
     already added one of its parameters' gradients in a graph."""
     task = compat.graph_task_id()
-    book = _running.get(task)
-    if book is None:
-        if len(_running) > 16:  # books of backwards that failed before their end
-            del _running[next(iter(_running))]
-        book = _running[task] = _Backward()
-        compat.after_this_backward(lambda: _check(task))
     ids = runner.accumulated_ids
-    if not book.params.isdisjoint(ids):
+    with _lock:
+        book = _running.get(task)
+        if book is None:
+            if len(_running) > 16:  # books of backwards that failed before their end
+                _running.pop(next(iter(_running)), None)
+            book = _running[task] = _Backward()
+            compat.after_this_backward(lambda: _check(task))
+        clash = not book.params.isdisjoint(ids)
+        if not clash:
+            book.params.update(ids)
+    if clash:
         index = next(i for i, p in enumerate(ids) if p in book.params)
-        raise RuntimeError(_REACHED.format(name=runner.name, param=parameter_name(runner, index), after=""))
-    book.params.update(ids)
+        raise RuntimeError(_REACHED.format(name=runner.name, param=parameter_name(runner, index), after=_AFTER))
 
 
 def after_in_graph(runner: Any) -> None:
     """After ``runner``'s in-graph backward: its parameters' ``.grad``s as they are now."""
-    book = _running.get(compat.graph_task_id())
+    with _lock:
+        book = _running.get(compat.graph_task_id())
     if book is not None:
         grads = tuple(map(_grad, runner.accumulated))
-        book.calls.append((runner, grads, _versions(grads)))
+        entry = (weakref.ref(runner), tuple(None if g is None else weakref.ref(g) for g in grads), _versions(grads))
+        with _lock:
+            book.calls.append(entry)
 
 
 def _versions(grads: tuple) -> tuple:
     try:
-        return tuple(map(_version, grads))
+        return tuple(map(compat.version_of, grads))
     except AttributeError:  # a parameter this backward gave no gradient (eager replay)
-        return tuple(-1 if g is None else g._version for g in grads)
+        return tuple(-1 if g is None else compat.version_of(g) for g in grads)
 
 
-_grad, _version = operator.attrgetter("grad"), operator.attrgetter("_version")
+_grad = operator.attrgetter("grad")
 
 
 def _check(task: int) -> None:
-    book = _running.pop(task, None)
-    for runner, grads, versions in book.calls if book is not None else ():
+    with _lock:
+        book = _running.pop(task, None)
+    for runner_ref, grad_refs, versions in book.calls if book is not None else ():
+        runner = runner_ref()
+        if runner is None:
+            continue
+        grads = tuple(None if r is None else r() for r in grad_refs)
         if all(map(operator.is_, map(_grad, runner.accumulated), grads)) and _versions(grads) == versions:
             continue
         index = next(i for i, (p, g, v) in enumerate(zip(runner.accumulated, grads, versions))
-                     if p.grad is not g or (g is not None and g._version != v))
+                     if p.grad is not g or (g is not None and compat.version_of(g) != v))
         raise RuntimeError(_REACHED.format(name=runner.name, param=parameter_name(runner, index), after=_AFTER))
 
 
