@@ -85,6 +85,9 @@ class Graphed:
     def share_parameters(self, ids: set) -> None:
         raise NotImplementedError
 
+    def static_inputs(self) -> Iterator[torch.Tensor]:
+        raise NotImplementedError
+
 
 def graphed_callable_of(obj: Any) -> Optional[Graphed]:
     """The graphed callable behind ``obj`` (itself, or a module whose forward it is)."""
@@ -165,6 +168,12 @@ class ProcessResources:
         """Ids of the parameters whose gradients live graphs may add to ``.grad`` without
         autograd: a later call graphing one of them treats it as a tied weight."""
         return frozenset(id(p) for graphed in self.live_callables() for p in graphed.accumulated_parameters())
+
+    def static_input_storages(self) -> set:
+        """``(device, storage address)`` of every live graph's static inputs: a later call's
+        sample in one of them gets a buffer of its own (``intake.specs.SampleMemory``)."""
+        return {(t.device, t.untyped_storage().data_ptr()) for graphed in self.live_callables()
+                for t in graphed.static_inputs() if t.numel()}
 
     def share_parameters(self, new: Iterable[Graphed], ids: set) -> None:
         """Graphs made earlier than ``new`` whose parameter gradients they add to ``.grad``

@@ -705,7 +705,25 @@ def input_is_sample(st):
     return st.buf, st.buf
 
 
+def graph_each_alone(with_mask: bool):
+    """Each layer graphed by a make_graphed_callables call of its own, all with one sample
+    tensor (and one mask in sample_kwargs)."""
+    def graph(st):
+        x = st.sample(SEQ, B, H)
+        kwargs = {"mask": st.sample(SEQ, B, 1, grad=False)} if with_mask else {}
+        return [call for layer in st.layers
+                for call in st.make_graphed([layer], [(x,)], sample_kwargs=[kwargs] if with_mask else None)]
+    return graph
+
+
 SHARED_SAMPLES = [
+    Case("one-sample-two-graphing-calls", "shared-samples",
+         "passes one tensor as the sample of each layer, graphed by a make_graphed_callables call each",
+         graph=graph_each_alone(False)),
+    Case("one-mask-two-graphing-calls", "shared-samples",
+         "one mask in the sample_kwargs of each layer, graphed by a call each, a mask per layer at call",
+         build=nets(make=KwNet), graph=graph_each_alone(True),
+         forward=lambda st, x: st.calls[1](st.calls[0](x, mask=mask(st)), mask=mask(st))),
     Case("one-sample-for-all", "shared-samples", "passes one tensor as every layer's sample ((x,),)*n",
          samples=shared_sample),
     Case("one-sample-recompute", "shared-samples", "one shared sample, with checkpoint() inside the layers",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
@@ -32,7 +32,8 @@ def make_specs(
     # Tied weights: parameters several of these callables use, or that graphs made by an
     # earlier call accumulate (this call's gradients then go through autograd, and the
     # earlier graphs' too once this call has made its graphs: ``Runner.share``).
-    context = SpecContext(grad_enabled, options.retain_graph_in_backward, SampleMemory(),
+    memory = SampleMemory(RESOURCES.static_input_storages())
+    context = SpecContext(grad_enabled, options.retain_graph_in_backward, memory,
                           _shared_parameters(callables) | RESOURCES.parameters_in_graphs())
     spec_sets = [
         [
@@ -137,13 +138,14 @@ class SampleMemory:
     nothing. Where two samples share memory (one tensor as every layer's sample, one mask
     in every layer's kwargs, views of one buffer), their graphs would share one static
     buffer, and a call of one would overwrite what another's backward (its recompute)
-    still reads; so each later one in the same storage gets a copy of its own. A sample
+    still reads; so each later one in the same storage gets a copy of its own, also where
+    the other is a static input of graphs an earlier call made (``taken``). A sample
     whose elements overlap each other (an expanded tensor) cannot take a copy-in: it gets a
     contiguous copy.
     """
 
-    def __init__(self) -> None:
-        self._taken: set[tuple[torch.device, int]] = set()  # (device, storage address)
+    def __init__(self, taken: Iterable[tuple[torch.device, int]] = ()) -> None:
+        self._taken: set[tuple[torch.device, int]] = set(taken)  # (device, storage address)
 
     def own(self, t: torch.Tensor) -> torch.Tensor:
         if t.numel() == 0 or t.device.type == "meta":

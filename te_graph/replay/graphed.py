@@ -124,6 +124,11 @@ class GraphedCallable(Graphed):
         for runner in self._runners.values():
             yield from runner.accumulated
 
+    def static_inputs(self) -> Iterator[torch.Tensor]:
+        """Its graphs' static input buffers (none once reset)."""
+        for runner in self._runners.values():
+            yield from runner.static_inputs
+
     def share_parameters(self, ids: set) -> None:
         """Parameters (by id) that graphs of a later call use too: their gradients go through
         autograd from the next call on (``Runner.share``)."""
