@@ -228,6 +228,10 @@ def test_a_whole_step_graph_refuses_an_optimizer_without_state_and_bad_arguments
     with refused(ValueError, re.escape("make_graphed_step: the optimizer has no state yet for some parameters"),
                  blocks, *batch):
         te_graph.make_graphed_step(_step_fn(blocks, opt), batch, modules=blocks, optimizer=opt, eager_replay=True)
+    assert not opt.state, "the refused warmup left optimizer state behind"
+    # An optimizer that keeps no state (SGD without momentum) needs no eager step first.
+    plain = torch.optim.SGD(blocks.parameters(), lr=1e-3)
+    te_graph.make_graphed_step(_step_fn(blocks, plain), batch, modules=blocks, optimizer=plain, eager_replay=True)
     with refused(TypeError, re.escape("make_graphed_step: step_fn must be callable"), blocks, *batch):
         te_graph.make_graphed_step(3, batch, modules=blocks, eager_replay=True)
     with refused(TypeError, re.escape("make_graphed_step: modules must be the nn.Module the step trains"), *batch):

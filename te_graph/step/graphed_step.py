@@ -147,6 +147,7 @@ class GraphedStep:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext(), \
                     torch_checkpoint_routed():
                 draws = None
+                had_state = _with_state(self.optimizer)
                 for iteration in range(num_warmup_iters):
                     first, last = iteration == 0, iteration == num_warmup_iters - 1
                     draws = ForwardDraws(self._live()) if last and not self.eager_replay else None
@@ -154,6 +155,8 @@ class GraphedStep:
                             host.watching(_NAME, self.tracker, known) if first else contextlib.nullcontext(), \
                             capture_hook_set(_Regions(draws)):
                         outputs = self._run()
+                    if first:
+                        _check_no_state_made(self.optimizer, had_state)
                     if first and outputs is not None:
                         self.outputs = OutputLayout(_NAME, outputs).without_memory()
                     del outputs
@@ -352,12 +355,24 @@ def make_graphed_step(step_fn: Callable, sample_args: Any, sample_kwargs: Option
 
 
 def _check_optimizer(optimizer: Any) -> None:
-    """An optimizer a step's graph can hold: its state made already (by an eager step, which
-    creates it lazily; created inside the capture, it would be made anew at every replay)."""
     if not hasattr(optimizer, "param_groups") or not hasattr(optimizer, "state"):
         raise TypeError(f"make_graphed_step: optimizer must be a torch.optim.Optimizer, got {describe_value(optimizer)}.")
-    trainable = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
-    if any(not optimizer.state.get(p) for p in trainable):
+
+
+def _with_state(optimizer: Any) -> set:
+    """Ids of the parameters ``optimizer`` keeps state for."""
+    return {id(p) for p, state in optimizer.state.items() if state} if optimizer is not None else set()
+
+
+def _check_no_state_made(optimizer: Any, before: set) -> None:
+    """After the first warmup pass: the step made no optimizer state that was not there (an
+    optimizer makes it lazily at a parameter's first step; made inside the capture, it would
+    be made anew at every replay). An optimizer that keeps none (SGD without momentum), or
+    none for a parameter without gradients, passes. State the pass made is dropped."""
+    made = [p for p, state in list(optimizer.state.items()) if state and id(p) not in before] if optimizer else []
+    if made:
+        for p in made:
+            del optimizer.state[p]
         raise ValueError(
             "make_graphed_step: the optimizer has no state yet for some parameters; it makes it lazily at its "
             "first step, which inside a graph would happen anew at every replay. Run one eager step before "
