@@ -59,7 +59,7 @@ class Runner:
     """What both runners share: the call's checks and bookkeeping around the static inputs.
 
     Subclasses set ``static_inputs`` and ``output`` (and call ``_take_outputs``) and
-    implement ``forward``, ``backward``, ``through_autograd`` and ``reset``.
+    implement ``forward``, ``backward``, ``through_autograd``, ``_shared`` and ``reset``.
     """
 
     static_inputs: tuple[torch.Tensor, ...]
