@@ -23,8 +23,6 @@ __all__ = ["GraphRunner"]
 class GraphRunner(Runner):
     """Replays a captured forward/backward graph pair on its static buffers."""
 
-    replays_graphs = True
-
     def __init__(self, spec: GraphSpec, graph: CapturedGraph, context: ReplayContext):
         super().__init__(spec, graph.warmup, context)
         self.graph = graph

@@ -66,7 +66,6 @@ class Runner:
     output: Any
     non_differentiable: tuple[int, ...] = ()
     multi_output: bool = False
-    replays_graphs: bool = False  # GraphRunner: its parameter gradients can go through the node
 
     def __init__(self, spec: GraphSpec, warmup: WarmupRecord, context: ReplayContext):
         self.name = spec.name

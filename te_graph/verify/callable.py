@@ -36,7 +36,7 @@ class VerifiedCallable(GraphedCallable):
             return self._unseen(args, kwargs, tensors)
         before = ModuleSnapshot(runner.spec.func, runner.tracker)
         copied = arguments_before(args, kwargs)
-        outputs = run(runner, tensors, first, through_autograd=runner.replays_graphs and bool(runner.params))
+        outputs = run(runner, tensors, first, through_autograd=bool(runner.params))
         shadow = Shadow(runner, *copied, first, before)
         found = differences([(f"output {i}", o, e) for i, (o, e) in enumerate(zip(outputs, shadow.outputs))])
         if found:
@@ -72,7 +72,7 @@ class VerifiedCallable(GraphedCallable):
             inputs, params = eager.pop()
             named = [(f"gradient of input {i}", g, e) for i, (g, e) in enumerate(zip(grad_inputs[:count], inputs))
                      if tensors[i].requires_grad]
-            graphed_params = grad_inputs[count:count + len(runner.params)] if runner.replays_graphs else ()
+            graphed_params = grad_inputs[count:count + len(runner.params)]
             names, skipped = _parameter_names(runner), _not_compared(runner)
             named += [(f"gradient of parameter {names.get(id(p), tuple(p.shape))!r}", g, e)
                       for p, g, e in zip(runner.params, graphed_params, params) if id(p) not in skipped]
