@@ -221,6 +221,26 @@ def test_a_whole_step_graph_equals_the_eager_step_bitwise(device, eager_replay, 
     step.reset()
 
 
+def test_a_whole_step_graph_refuses_a_replaced_optimizer_state():
+    """optimizer.load_state_dict after graphing (a rollback, a resume) puts new state tensors
+    in the optimizer, where the step's graph updates those of capture: the next call is
+    refused before it changes anything."""
+    import copy
+
+    blocks = nn.ModuleList(make_blocks(n=1, device="cpu"))
+    opt = torch.optim.AdamW(blocks.parameters(), lr=1e-3)
+    batch = (_batch("cpu", 1), _batch("cpu", 2))
+    step_fn = _step_fn(blocks, opt)
+    step_fn(*batch)  # the optimizer's state, made eagerly
+    step = te_graph.make_graphed_step(step_fn, batch, modules=blocks, optimizer=opt, eager_replay=True)
+    saved = copy.deepcopy(opt.state_dict())
+    step(*batch)
+    opt.load_state_dict(saved)
+    with refused(RuntimeError, re.escape("the graphed step: since graphing, the optimizer's state was replaced "
+                                         "(optimizer.load_state_dict"), blocks, *batch):
+        step(*batch)
+
+
 def test_a_whole_step_graph_refuses_an_optimizer_without_state_and_bad_arguments():
     blocks = nn.ModuleList(make_blocks(n=1, device="cpu"))
     opt = torch.optim.SGD(blocks.parameters(), lr=1e-3, momentum=0.9)

@@ -88,6 +88,14 @@ def _optimizer_groups(optimizer: Any) -> tuple:
     return tuple(tuple((k, v) for k, v in sorted(group.items()) if k != "params") for group in optimizer.param_groups)
 
 
+def _optimizer_state(optimizer: Any) -> tuple:
+    """The optimizer's state as a capture holds it, by identity: the state dict and each
+    parameter's entry (``load_state_dict`` makes new ones; in-place updates keep them)."""
+    if optimizer is None:
+        return ()
+    return id(optimizer.state), len(optimizer.state), tuple(map(id, optimizer.state.values()))
+
+
 class _Owner:
     """What ``GraphOutputs`` reads of its owner: the memory that is the model's own."""
 
@@ -114,6 +122,7 @@ class GraphedStep:
         self.reads = ForwardReads()
         self._verification = Schedule(verify) if verify is not None else None
         self._groups = _optimizer_groups(optimizer)
+        self._state = _optimizer_state(optimizer)
         self._frozen: list[FrozenModule] = []
         self._settings: Optional[Settings] = None
         self._outside: Optional[OutsideReads] = None
@@ -255,6 +264,9 @@ class GraphedStep:
             found.append("the optimizer's hyperparameters (a param_group's lr, betas, weight_decay, ...) changed; "
                          "a step's graph bakes in the values of capture (give the optimizer a tensor lr, "
                          "torch.tensor(lr), and update it in place with .fill_(...))")
+        if _optimizer_state(self.optimizer) != self._state:
+            found.append("the optimizer's state was replaced (optimizer.load_state_dict, or its state cleared or "
+                         "given other entries); the step's graph updates the state tensors of capture, by address")
         if found:
             raise RuntimeError(f"{_NAME}: since graphing, {'; '.join(found)}. Graph the step again after changing "
                                "the model (make_graphed_step).")
