@@ -75,13 +75,18 @@ class InputLayout:
         self.name = name
         leaves, self.args_spec = pytree.tree_flatten(tuple(args))
         for index, leaf in enumerate(leaves):
-            if not isinstance(leaf, torch.Tensor):
+            if leaf is not None and not isinstance(leaf, torch.Tensor):
                 raise TypeError(
                     f"make_graphed_callables: positional sample arg {index} of {name} is a "
-                    f"{type(leaf).__name__}; positional sample args must be tensors (pytrees "
+                    f"{type(leaf).__name__}; positional sample args must be tensors or None (pytrees "
                     "of tensors). Pass constants as sample_kwargs instead."
                 )
-        self.flat_args = self.args_spec == pytree.tree_flatten(tuple(leaves))[1]
+        # A positional None (Hugging Face's layers are called as layer(h, mask, None, ...)) is
+        # baked in, as a keyword constant is: each call must pass None there.
+        self.arg_nones = frozenset(i for i, leaf in enumerate(leaves) if leaf is None)
+        self.num_arg_leaves = len(leaves)
+        leaves = [leaf for leaf in leaves if leaf is not None]
+        self.flat_args = not self.arg_nones and self.args_spec == pytree.tree_flatten(tuple(leaves))[1]
         self.num_args = len(leaves)
         self.kw_keys = tuple(kwargs)
         self.optional = frozenset(optional)
@@ -91,7 +96,7 @@ class InputLayout:
         self.constants: dict[str, Any] = {}
         self.nested: dict[str, tuple[Any, tuple]] = {}  # key -> (spec, leaves, _TENSOR for a tensor)
         kw_tensors: list[torch.Tensor] = []
-        self._labels: list[str] = [f"positional input {i}" for i in range(self.num_args)]
+        self._labels: list[str] = [f"positional input {i}" for i in range(self.num_arg_leaves) if i not in self.arg_nones]
         for key in self.kw_keys:
             value = kwargs[key]
             if isinstance(value, torch.Tensor):
@@ -148,7 +153,7 @@ class InputLayout:
                     f"{self.name}: called with {got}, but the graph was captured with {want}; "
                     "pass positional arguments as in sample_args."
                 )
-            tensors = leaves
+            tensors = self._without_nones(leaves) if self.arg_nones else leaves
         if kwargs.keys() != self._kw_set:
             kwargs = self._as_captured(kwargs)
         for key, value in self.constants.items():
@@ -178,6 +183,17 @@ class InputLayout:
                 elif now is not then and not same_constant(now, then):
                     raise self._constant_changed(f"{key!r} (leaf {position} of {_structure(spec)})", now, then)
         return tensors
+
+    def _without_nones(self, leaves: list) -> list:
+        """The call's positional tensors, where each positional None of the capture is None."""
+        for index in sorted(self.arg_nones):
+            if leaves[index] is not None:
+                raise ValueError(
+                    f"{self.name}: positional argument {index} is {describe_value(leaves[index])}, but was None "
+                    "at capture; a graph bakes a None in. Pass None there, as in sample_args, or capture with "
+                    "a tensor there."
+                )
+        return [leaf for index, leaf in enumerate(leaves) if index not in self.arg_nones]
 
     def _as_captured(self, kwargs: Mapping[str, Any]) -> Mapping[str, Any]:
         """``kwargs`` with the keywords that differ from the capture's only by a ``None`` the
@@ -244,7 +260,9 @@ class InputLayout:
 
     def unflatten(self, tensors: Sequence[torch.Tensor]) -> tuple[tuple, dict]:
         """Inverse of ``flatten``: call arguments built from static-input tensors."""
-        args = pytree.tree_unflatten(list(tensors[: self.num_args]), self.args_spec)
+        positional = iter(tensors[: self.num_args])
+        leaves = [None if i in self.arg_nones else next(positional) for i in range(self.num_arg_leaves)]
+        args = pytree.tree_unflatten(leaves, self.args_spec)
         rest = iter(tensors[self.num_args:])
         kwargs: dict[str, Any] = {}
         for key in self.kw_keys:

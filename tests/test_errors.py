@@ -31,6 +31,32 @@ def _x(device="cpu", requires_grad=True):
     return torch.randn(3, 4, device=device, requires_grad=requires_grad)
 
 
+def test_a_positional_none_is_baked_in():
+    """A positional None in the samples (Hugging Face's layer(h, mask, None, ...)) is a
+    constant of the capture: a call passes None there, and a tensor there is refused, as is
+    None where a tensor was."""
+    class Optional_(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x, extra=None, mask=None):
+            y = self.lin(x) if extra is None else self.lin(x) + extra
+            return y if mask is None else y * mask
+
+    m = Optional_()
+    make_graphed_callables(m, (_x(), None, _x(requires_grad=False)), eager_replay=True)
+    m(_x(), None, _x(requires_grad=False)).sum().backward()
+    x, extra, mask = _x(), _x(), _x(requires_grad=False)
+    with refused(ValueError, re.escape("callable 0 (Optional_): positional argument 1 is a tensor (shape (3, 4), "
+                                       "dtype torch.float32, device cpu), but was None at capture; a graph bakes a "
+                                       "None in."), m):
+        m(x, extra, mask)
+    with refused(ValueError, re.escape("callable 0 (Optional_): positional input 2 has NoneType, but the graph was "
+                                       "captured with shape (3, 4)"), m):
+        m(x, None, None)
+
+
 def test_non_tensor_positional_sample_arg():
     m = Lin()
     sample = (_x(), 2.0)

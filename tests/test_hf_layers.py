@@ -179,3 +179,64 @@ def _graphed_together_train_as_eager(device: str, mode: str) -> None:
 
     harness.assert_same(_train(graphed_layers, chain(graphed), keywords, inputs),
                         _train(eager, chain(eager), keywords, inputs), "two llama layers")
+
+
+def _model(kind: str):
+    """A two-layer Hugging Face model (no dropout), its layers, and how to call it: BertModel
+    and GPT2Model call each layer with a positional None (``layer(h, mask, None, ...)``)."""
+    import transformers  # noqa: PLC0415
+
+    if kind == "bert":
+        config = transformers.BertConfig(vocab_size=50, hidden_size=H, num_hidden_layers=2, num_attention_heads=HEADS,
+                                         intermediate_size=2 * H, hidden_dropout_prob=0.0,
+                                         attention_probs_dropout_prob=0.0)
+        model = transformers.BertModel(config)
+        return model, model.encoder.layer, lambda m, ids: m(ids).last_hidden_state
+    config = transformers.GPT2Config(vocab_size=50, n_embd=H, n_layer=2, n_head=HEADS, resid_pdrop=0.0,
+                                     embd_pdrop=0.0, attn_pdrop=0.0)
+    model = transformers.GPT2Model(config)
+    return model, model.h, lambda m, ids: m(ids, use_cache=False).last_hidden_state
+
+
+@pytest.mark.parametrize("kind", ["bert", "gpt2"])
+@pytest.mark.parametrize("device, mode", MODES)
+def test_layers_a_model_calls_with_a_positional_none_train_as_eager(kind, device, mode):
+    """The layers graphed in place with the arguments their model passes them (seen by a
+    forward pre-hook on an eager call), the whole model trained: losses and weights after
+    AdamW steps as eager's, bitwise."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    torch.manual_seed(0)
+    model, layers, run = _model(kind)
+    model = model.to(device)
+    eager = copy.deepcopy(model)
+    seen: list = []
+    hooks = [layer.register_forward_pre_hook(lambda m, a, k: seen.append((a, k)), with_kwargs=True)
+             for layer in layers]
+    ids = torch.randint(0, 50, (B, S), device=device)
+    run(model, ids)
+    for hook in hooks:
+        hook.remove()
+    assert any(a is None for args, _ in seen for a in args), "the model no longer passes a positional None"
+
+    def detached(value, grad=False):
+        return value.detach().clone().requires_grad_(grad) if isinstance(value, torch.Tensor) else value
+
+    samples = tuple(tuple(detached(a, i == 0) for i, a in enumerate(args)) for args, _ in seen)
+    keywords = tuple({k: detached(v) for k, v in kw.items()} for _, kw in seen)
+    te_graph.make_graphed_callables(tuple(layers), samples, sample_kwargs=keywords,
+                                    eager_replay=harness.eager_replay(mode))
+    traces = []
+    for m in (model, eager):
+        optimizer = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        generator = torch.Generator().manual_seed(3)
+        trace = Trace()
+        for _ in range(STEPS):
+            loss = weighted_loss(run(m, torch.randint(0, 50, (B, S), generator=generator).to(device)))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            trace.microbatch(loss, None)
+        trace.weights = [p.detach().clone() for p in m.parameters()]
+        traces.append(trace)
+    harness.assert_same(traces[0], traces[1], f"{kind} model, its layers graphed")
