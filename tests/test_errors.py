@@ -57,6 +57,17 @@ def test_a_positional_none_is_baked_in():
         m(x, None, None)
 
 
+@pytest.mark.parametrize("make", [lambda: nn.GRU(4, 4, batch_first=True), lambda: nn.LSTM(4, 4, bidirectional=True)],
+                         ids=["gru", "lstm"])
+def test_torchs_recurrent_layers_are_refused_with_their_reason(make):
+    """torch's RNN modules re-point their weights whenever their parameters change: refused
+    by name, with nothing changed."""
+    m, sample = make(), torch.randn(2, 3, 4, requires_grad=True)
+    with refused(ValueError, re.escape("make_graphed_callables: callable 0 (" + type(m).__name__ + ") holds a "
+                                       "torch.nn.RNN, LSTM or GRU ('_flat_weights'), which te_graph does not graph"), m):
+        make_graphed_callables(m, (sample,), eager_replay=True)
+
+
 def test_non_tensor_positional_sample_arg():
     m = Lin()
     sample = (_x(), 2.0)
