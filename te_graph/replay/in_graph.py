@@ -41,8 +41,8 @@ _AFTER = " (the .grad this backward left is not eager's: zero the gradients befo
 
 class _Backward:
     """What the in-graph calls of one backward added: the parameters, and each call's
-    ``.grad`` tensors with their version counters right after its replay (held weakly: a
-    backward that fails before its end leaves its book unchecked, and keeps nothing alive)."""
+    ``.grad`` tensors with their version counters right after its replay. A backward that
+    fails before its end leaves its book unchecked, dropped a few backwards later."""
 
     __slots__ = ("params", "calls")
 
@@ -63,7 +63,7 @@ def before_in_graph(runner: Any) -> None:
     with _lock:
         book = _running.get(task)
         if book is None:
-            if len(_running) > 16:  # books of backwards that failed before their end
+            if len(_running) > 4:  # books of backwards that failed before their end (nested ones run too)
                 _running.pop(next(iter(_running)), None)
             book = _running[task] = _Backward()
             compat.after_this_backward(lambda: _check(task))
@@ -81,7 +81,7 @@ def after_in_graph(runner: Any) -> None:
         book = _running.get(compat.graph_task_id())
     if book is not None:
         grads = tuple(map(_grad, runner.accumulated))
-        entry = (weakref.ref(runner), tuple(None if g is None else weakref.ref(g) for g in grads), _versions(grads))
+        entry = (weakref.ref(runner), grads, _versions(grads))
         with _lock:
             book.calls.append(entry)
 
@@ -99,11 +99,10 @@ _grad = operator.attrgetter("grad")
 def _check(task: int) -> None:
     with _lock:
         book = _running.pop(task, None)
-    for runner_ref, grad_refs, versions in book.calls if book is not None else ():
+    for runner_ref, grads, versions in book.calls if book is not None else ():
         runner = runner_ref()
         if runner is None:
             continue
-        grads = tuple(None if r is None else r() for r in grad_refs)
         if all(map(operator.is_, map(_grad, runner.accumulated), grads)) and _versions(grads) == versions:
             continue
         index = next(i for i, (p, g, v) in enumerate(zip(runner.accumulated, grads, versions))
