@@ -241,6 +241,25 @@ def test_a_whole_step_graph_refuses_a_replaced_optimizer_state():
         step(*batch)
 
 
+@pytest.mark.parametrize("change", ["hook-on-the-module", "submodule-appended"])
+def test_a_whole_step_graph_refuses_hooks_and_submodules_added_to_its_modules(change):
+    """A step's graph ran its modules' own hooks while it was captured, and replays only those;
+    a submodule appended to a module it trains (a ModuleList) is one it never ran."""
+    blocks = nn.ModuleList(make_blocks(n=1, device="cpu"))
+    opt = torch.optim.SGD(blocks.parameters(), lr=1e-3)
+    batch = (_batch("cpu", 1), _batch("cpu", 2))
+    step = te_graph.make_graphed_step(_step_fn(blocks, opt), batch, modules=blocks, optimizer=opt, eager_replay=True)
+    step(*batch)
+    if change == "hook-on-the-module":
+        blocks[0].register_forward_hook(lambda module, args, out: out)
+        message = "forward hooks on submodule '0' changed (0 -> 1); a step's graph replays the module hooks"
+    else:
+        blocks.append(make_blocks(n=1, device="cpu")[0])
+        message = "the module tree gained or lost a parameter, buffer or submodule ('1')"
+    with refused(RuntimeError, re.escape(message), blocks, *batch):
+        step(*batch)
+
+
 def test_a_whole_step_graph_refuses_an_optimizer_without_state_and_bad_arguments():
     blocks = nn.ModuleList(make_blocks(n=1, device="cpu"))
     opt = torch.optim.SGD(blocks.parameters(), lr=1e-3, momentum=0.9)

@@ -41,7 +41,7 @@ from ..compat import MODULE_INTERNALS
 from ..extension import SEAM
 from ..layout import describe_value
 from .hooks import (
-    HOOK_KINDS, ROUTED_HOOKS, ROUTED_SUBMODULE_HOOKS, SUBMODULE_HOOKS, global_hooks_run_at_capture_only,
+    HOOK_KINDS, ROUTED_HOOKS, ROUTED_SUBMODULE_HOOKS, STEP_HOOKS, SUBMODULE_HOOKS, global_hooks_run_at_capture_only,
     hooks_outside_graphs, leaving_out, same_objects,
 )
 from .reads import ForwardReads, kept, plain_value, watched_names
@@ -97,12 +97,13 @@ class FrozenModule:
     """The fingerprint of one graphed module: what its graphs read of it."""
 
     def __init__(self, module: torch.nn.Module, runtime: frozenset, skip_attributes: Any, routed: bool = False,
-                 reads: Optional[ForwardReads] = None):
+                 reads: Optional[ForwardReads] = None, step: bool = False):
         """``routed``: the module's class replays the graphs from its own ``__call__``, before
         ``nn.Module.__call__`` would run the module's hooks (megatron-core's layers), so hooks
         on the module itself never run at replay either. ``reads``: what its forwards read
         (``reads``): the attributes compared are those; without it, every attribute of a
-        watched type."""
+        watched type. ``step``: a module a whole-step graph trains, whose own hooks ran inside
+        the capture too."""
         self.module = module
         reads = reads if reads is not None else ForwardReads()
         recorded: list[torch.nn.Module] = []  # modules whose reads are known
@@ -121,6 +122,7 @@ class FrozenModule:
         tensor_values: list[torch.Tensor] = []
         buffers: list[tuple[str, torch.Tensor]] = []  # read by address: `.data = ...` moves one
         outside = hooks_outside_graphs(module, routed)
+        structure: list[dict] = []  # each module's parameter, buffer and submodule tables: one added is a change
         seen: set[int] = set()
         for prefix, sub in module.named_modules():
             if id(sub) in seen:
@@ -130,6 +132,7 @@ class FrozenModule:
             script = isinstance(sub, torch.jit.ScriptModule)  # C++ tables: wrappers handing out new objects
             for table, kind in ((compat.parameter_slots(sub), "parameter"), (compat.buffer_slots(sub), "buffer"),
                                 (sub._modules, "submodule")) if not script else ():
+                structure.append(table)
                 for key, value in table.items():
                     object_slots.append(_Slot(table, key, f"{kind} {_qualified(prefix, key)!r}"))
                     objects.append(value)
@@ -160,12 +163,12 @@ class FrozenModule:
                            if type(b) is torch.Tensor)
             # The graphed module's own hooks run around the graphed forward, unless its class
             # routes the call to the graphs before nn.Module.__call__ runs them.
-            if (prefix or routed) and prefix not in outside:
+            if (prefix or routed or step) and prefix not in outside:
                 for kind in HOOK_KINDS:
                     hook_tables.append(getattr(sub, kind))
                     hook_names.append(f"{kind[1:].replace('_', ' ')} on {where}")
                     hook_kinds.append(kind)
-                    hook_reasons.append(ROUTED_HOOKS if not prefix else
+                    hook_reasons.append(STEP_HOOKS if step else ROUTED_HOOKS if not prefix else
                                         ROUTED_SUBMODULE_HOOKS if routed else SUBMODULE_HOOKS)
                     hook_owners.append(sub)
             fused = SEAM.writes_main_grad(sub)
@@ -180,12 +183,13 @@ class FrozenModule:
                                                   f"main_grad of parameter {_qualified(prefix, name)!r}"))
                         objects.append(p.__dict__["main_grad"])
                         main_grads.append((_qualified(prefix, name), p.__dict__["main_grad"]))
-        for kind, table in compat.global_module_hook_dicts() if global_hooks_run_at_capture_only(module, routed) else ():
+        for kind, table in compat.global_module_hook_dicts() if global_hooks_run_at_capture_only(module, routed or step) else ():
             hook_tables.append(table)
             hook_names.append(f"global module {kind} (torch.nn.modules.module.register_module_{kind[:-1]})")
             hook_kinds.append(kind)
-            hook_reasons.append(ROUTED_SUBMODULE_HOOKS if routed else SUBMODULE_HOOKS)
+            hook_reasons.append(STEP_HOOKS if step else ROUTED_SUBMODULE_HOOKS if routed else SUBMODULE_HOOKS)
             hook_owners.append(None)
+        self._structure = tuple(structure)
         self._slots = tuple(slots)
         self._tables = tuple(s.table for s in slots)
         self._keys = tuple(s.key for s in slots)
@@ -254,7 +258,7 @@ class FrozenModule:
         self._ident_keys = tuple(slots[i].key for i in rest)
         self._ident_objects = tuple(values[i] for i in rest)
         self._expected = (tuple(values[i] for i in safe) + self._pointers + self._main_grad_pointers + self._grads
-                          + self._lengths + self._classes)
+                          + self._lengths + self._classes + tuple(map(len, self._structure)))
 
     def matches(self) -> bool:
         """The hot path: True when nothing the graphs read of the module changed."""
@@ -264,7 +268,7 @@ class FrozenModule:
             return (
                 (*map(_getitem, self._safe_tables, self._safe_keys), *map(_data_ptr, self._addressed),
                  *map(_data_ptr, self._main_grads), *map(_requires_grad, self._params), *map(len, self._dicts),
-                 *map(type, self._recorded)) == self._expected
+                 *map(type, self._recorded), *map(len, self._structure)) == self._expected
                 and (not self._ident_objects or all(map(operator.is_, map(_getitem, self._ident_tables,
                                                                             self._ident_keys), self._ident_objects)))
                 and (self._still_no_hooks() if self._no_hooks else self._same_hooks())
@@ -341,6 +345,12 @@ class FrozenModule:
                 found.append(f"{name} now lies at another address ({name[0]}.data = ..., or the module was moved "
                              "or cast)")
         found += self._class_changes()
+        known = {id(t): len({s.key for s in self._object_slots if s.table is t}) for t in self._structure}
+        for table in self._structure:
+            if len(table) != known[id(table)]:
+                added = [k for k in table if not any(s.table is table and s.key == k for s in self._object_slots)]
+                found.append(f"the module tree gained or lost a parameter, buffer or submodule "
+                             f"({', '.join(map(repr, added)) or 'one removed'}), which the graphs do not hold")
         for name, g, then in zip(self._main_grad_names, self._main_grads, self._main_grad_pointers):
             if g.data_ptr() != then:
                 found.append(f"main_grad of parameter {name!r} now lies at another address (megatron-core DDP's "

@@ -44,6 +44,10 @@ ROUTED_SUBMODULE_HOOKS = ("hooks on a submodule the layer's graphs run are run o
                            "never at replay")
 
 
+STEP_HOOKS = ("a step's graph replays the module hooks that ran while it was captured, and only those: graph the "
+              "step again after adding or removing one")
+
+
 ROUTED_HOOKS = ("megatron-core's __call__ replays this layer's graphs without nn.Module.__call__, so hooks on the "
                  "layer itself never run at replay, while an eager run would run them; remove the hook (a hook "
                  "that must run belongs outside the graphed layer, on the module that calls it)")

@@ -189,7 +189,8 @@ class GraphedStep:
             rng.restore_streams(self.tracker, state.streams)
             if not succeeded:
                 state.restore()
-        self._frozen = [FrozenModule(m, frozenset(), SEAM.keeps_own_state, False, self.reads) for m in self.modules]
+        self._frozen = [FrozenModule(m, frozenset(), SEAM.keeps_own_state, False, self.reads, step=True)
+                        for m in self.modules]
         self._settings = Settings(device_type)
         self._outside = OutsideReads.of(self.reads)
 
