@@ -225,9 +225,12 @@ def reset(*graphed: Any) -> None:
     if not graphed:
         RESOURCES.teardown()
         return
-    for obj in graphed:
+    found = []  # every argument checked before any is reset
+    pending = list(graphed)
+    while pending:
+        obj = pending.pop(0)
         if isinstance(obj, (tuple, list)):
-            reset(*obj)
+            pending[:0] = list(obj)
             continue
         callable_ = graphed_callable_of(obj)
         if callable_ is None and isinstance(obj, torch.nn.Module):
@@ -237,6 +240,8 @@ def reset(*graphed: Any) -> None:
                 f"te_graph.reset(): {type(obj).__name__} is not a graphed callable or a module "
                 "graphed by make_graphed_callables."
             )
+        found.append(callable_)
+    for callable_ in found:
         callable_.reset()
 
 

@@ -68,6 +68,25 @@ def test_torchs_recurrent_layers_are_refused_with_their_reason(make):
         make_graphed_callables(m, (sample,), eager_replay=True)
 
 
+def test_reset_and_verify_check_every_argument_before_acting():
+    """te_graph.reset(m, 5) and te_graph.verify(m, 5) refuse the 5 before m is reset or
+    switched."""
+    import te_graph
+    from te_graph.resources import graphed_callable_of
+
+    m = Lin()
+    make_graphed_callables(m, (_x(),), eager_replay=True)
+    graphed = graphed_callable_of(m)
+    kind = type(graphed)
+    for call, name in ((lambda: te_graph.reset(m, 5), "reset"), (lambda: te_graph.verify(m, 5), "verify")):
+        with pytest.raises(TypeError, match=re.escape(f"te_graph.{name}(): int is not a graphed callable")):
+            call()
+        assert graphed_callable_of(m) is graphed and type(graphed) is kind, f"{name} acted before refusing"
+    with pytest.raises(TypeError, match=re.escape("te_graph.verify(): options must be a te_graph.Verify, got int.")):
+        te_graph.verify(m, options=5)
+    m(_x()).sum().backward()
+
+
 def test_non_tensor_positional_sample_arg():
     m = Lin()
     sample = (_x(), 2.0)

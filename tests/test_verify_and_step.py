@@ -260,6 +260,21 @@ def test_a_whole_step_graph_refuses_hooks_and_submodules_added_to_its_modules(ch
         step(*batch)
 
 
+def test_a_whole_step_without_tensor_arguments_and_one_with_a_sample_requiring_grad():
+    """A step whose batch lives in a closure runs where its modules are; a sample that
+    requires grad is refused (the step's graph hands no gradient back to its arguments)."""
+    blocks = nn.ModuleList(make_blocks(n=1, device="cpu"))
+    opt = torch.optim.SGD(blocks.parameters(), lr=1e-3)
+    batch = (_batch("cpu", 1), _batch("cpu", 2))
+    step_fn = _step_fn(blocks, opt)
+    step = te_graph.make_graphed_step(lambda: step_fn(*batch), (), modules=blocks, optimizer=opt, eager_replay=True)
+    step()
+    wanting = (batch[0].detach().requires_grad_(), batch[1])
+    with refused(ValueError, re.escape("make_graphed_step: the sample positional input 0 requires grad; a step's "
+                                       "graph hands no gradient back to the tensors passed to it"), blocks, *batch):
+        te_graph.make_graphed_step(step_fn, wanting, modules=blocks, optimizer=opt, eager_replay=True)
+
+
 def test_a_whole_step_graph_refuses_an_optimizer_without_state_and_bad_arguments():
     blocks = nn.ModuleList(make_blocks(n=1, device="cpu"))
     opt = torch.optim.SGD(blocks.parameters(), lr=1e-3, momentum=0.9)

@@ -140,7 +140,9 @@ class GraphedStep:
 
     def _prepare(self, num_warmup_iters: int, pool: Any) -> None:
         state = StepState(self.modules, self.optimizer, self.tracker)
-        device_type = self.static_inputs[0].device.type if self.static_inputs else "cuda"
+        # A step without tensor arguments (its batch in a closure) runs where its modules are.
+        where = self.static_inputs or tuple(p for m in self.modules for p in m.parameters())[:1]
+        device_type = where[0].device.type if where else "cuda"
         host = HostState(device_type)
         known = self.static_inputs + tuple(self.params) + tuple(state.buffers) + tuple(
             t for t, _ in state.optimizer_state) + tuple(g for g, _ in state.grads if g is not None) + tuple(
@@ -226,8 +228,10 @@ class GraphedStep:
     # -- each step ---------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self._check()
-        for slot, t in zip(self.slots, self.layout.flatten(args, kwargs)):
-            copy_in(slot, t)
+        tensors = self.layout.flatten(args, kwargs)
+        with torch.no_grad():  # the copies are no part of the caller's autograd graph
+            for slot, t in zip(self.slots, tensors):
+                copy_in(slot, t)
         if self._verification is not None and self._verification.due():
             return self._verified()
         return self._step()
@@ -358,6 +362,13 @@ def make_graphed_step(step_fn: Callable, sample_args: Any, sample_kwargs: Option
         _check_optimizer(optimizer)
     sample_args = tuple(sample_args) if isinstance(sample_args, (tuple, list)) else (sample_args,)
     layout = InputLayout(_NAME, sample_args, dict(sample_kwargs or {}))
+    wants_grad = next((i for i, t in enumerate(layout.samples) if t.requires_grad), None)
+    if wants_grad is not None:
+        raise ValueError(
+            f"make_graphed_step: the sample {layout.label(wants_grad)} requires grad; a step's graph hands no "
+            "gradient back to the tensors passed to it (it is a whole program, with no autograd node around "
+            "it). Pass it detached (x.detach()), or make it a parameter of the modules the step trains."
+        )
     if not eager_replay and any(t.device.type != "cuda" for t in layout.samples):
         raise ValueError("make_graphed_step: the sample batch must be on the CUDA device the step runs on "
                          "(or pass eager_replay=True).")

@@ -127,16 +127,23 @@ def verify(*graphed: Any, first: int = 8, every: int = 0, fraction: float = 0.0,
     """Turn verification on (or, with ``first=0`` and nothing else, off) for callables
     already graphed: graphed callables or modules, or tuples of them as
     ``make_graphed_callables`` returned them. See ``te_graph.Verify`` for the arguments."""
+    if options is not None and not isinstance(options, Verify):
+        raise TypeError(f"te_graph.verify(): options must be a te_graph.Verify, got {type(options).__name__}.")
     options = options if options is not None else Verify(first, every, fraction, on_mismatch, tolerance, seed)
     off = options.first == 0 and options.every == 0 and options.fraction == 0
-    for obj in graphed:
+    found = []  # every argument checked before any is switched
+    pending = list(graphed)
+    while pending:
+        obj = pending.pop(0)
         if isinstance(obj, (tuple, list)):
-            verify(*obj, options=options)
+            pending[:0] = list(obj)
             continue
         callable_ = graphed_callable_of(obj)
         if not isinstance(callable_, GraphedCallable):
             raise TypeError(f"te_graph.verify(): {type(obj).__name__} is not a graphed callable or a module "
                             "graphed by make_graphed_callables.")
+        found.append(callable_)
+    for callable_ in found:
         turn_on(callable_, None if off else options)
 
 
