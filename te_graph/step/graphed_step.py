@@ -47,6 +47,8 @@ from ..replay.outputs import GraphOutputs
 from ..resources import RESOURCES
 from ..verify.compare import differences, report
 from ..verify.options import Schedule, verify_options
+from .optimizer import (changed_hyperparameters, check_no_state_made, check_optimizer, optimizer_groups,
+                        optimizer_state, with_state)
 from .state import StepState
 
 __all__ = ["make_graphed_step", "GraphedStep"]
@@ -80,22 +82,6 @@ class _Regions:
         return self.draws.forward_region() if self.draws is not None else contextlib.nullcontext()
 
 
-def _optimizer_groups(optimizer: Any) -> tuple:
-    """The optimizer's hyperparameters as a capture bakes them in (floats, flags; a tensor
-    learning rate by identity)."""
-    if optimizer is None:
-        return ()
-    return tuple(tuple((k, v) for k, v in sorted(group.items()) if k != "params") for group in optimizer.param_groups)
-
-
-def _optimizer_state(optimizer: Any) -> tuple:
-    """The optimizer's state as a capture holds it, by identity: the state dict and each
-    parameter's entry (``load_state_dict`` makes new ones; in-place updates keep them)."""
-    if optimizer is None:
-        return ()
-    return id(optimizer.state), len(optimizer.state), tuple(map(id, optimizer.state.values()))
-
-
 class _Owner:
     """What ``GraphOutputs`` reads of its owner: the memory that is the model's own."""
 
@@ -121,8 +107,8 @@ class GraphedStep:
         self.static_grads: list = []
         self.reads = ForwardReads()
         self._verification = Schedule(verify) if verify is not None else None
-        self._groups = _optimizer_groups(optimizer)
-        self._state = _optimizer_state(optimizer)
+        self._groups = optimizer_groups(optimizer)
+        self._state = optimizer_state(optimizer)
         self._frozen: list[FrozenModule] = []
         self._settings: Optional[Settings] = None
         self._outside: Optional[OutsideReads] = None
@@ -158,7 +144,7 @@ class GraphedStep:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext(), \
                     torch_checkpoint_routed():
                 draws = None
-                had_state = _with_state(self.optimizer)
+                had_state = with_state(self.optimizer)
                 for iteration in range(num_warmup_iters):
                     first, last = iteration == 0, iteration == num_warmup_iters - 1
                     draws = ForwardDraws(self._live()) if last and not self.eager_replay else None
@@ -167,7 +153,7 @@ class GraphedStep:
                             capture_hook_set(_Regions(draws)):
                         outputs = self._run()
                     if first:
-                        _check_no_state_made(self.optimizer, had_state)
+                        check_no_state_made(self.optimizer, had_state)
                     if first and outputs is not None:
                         self.outputs = OutputLayout(_NAME, outputs).without_memory()
                     del outputs
@@ -265,11 +251,12 @@ class GraphedStep:
                 found += frozen.changes()
         if self._outside is not None and not self._outside.matches():
             found += self._outside.changes()
-        if _optimizer_groups(self.optimizer) != self._groups:
-            found.append("the optimizer's hyperparameters (a param_group's lr, betas, weight_decay, ...) changed; "
-                         "a step's graph bakes in the values of capture (give the optimizer a tensor lr, "
-                         "torch.tensor(lr), and update it in place with .fill_(...))")
-        if _optimizer_state(self.optimizer) != self._state:
+        if optimizer_groups(self.optimizer) != self._groups:
+            found.append(f"the optimizer's hyperparameters changed ({changed_hyperparameters(self.optimizer, self._groups)}); "
+                         "a step's graph bakes in the values of capture (for a learning-rate schedule, give the "
+                         "optimizer a tensor lr, torch.tensor(lr), update it in place with .fill_(...), and make "
+                         "the scheduler before graphing)")
+        if optimizer_state(self.optimizer) != self._state:
             found.append("the optimizer's state was replaced (optimizer.load_state_dict, or its state cleared or "
                          "given other entries); the step's graph updates the state tensors of capture, by address")
         if found:
@@ -354,12 +341,13 @@ def make_graphed_step(step_fn: Callable, sample_args: Any, sample_kwargs: Option
         raise TypeError(f"make_graphed_step: eager_replay must be True or False, got {eager_replay!r}.")
     if isinstance(num_warmup_iters, bool) or not isinstance(num_warmup_iters, int) or num_warmup_iters < 1:
         raise ValueError(f"make_graphed_step: num_warmup_iters must be an int >= 1, got {num_warmup_iters!r}.")
-    modules = [modules] if isinstance(modules, torch.nn.Module) else list(modules)
+    modules = [modules] if isinstance(modules, torch.nn.Module) else list(modules) \
+        if isinstance(modules, (list, tuple, torch.nn.ModuleList)) else None
     if not modules or not all(isinstance(m, torch.nn.Module) for m in modules):
         raise TypeError("make_graphed_step: modules must be the nn.Module the step trains, or a sequence of them.")
     check_environment(eager_replay)
     if optimizer is not None:
-        _check_optimizer(optimizer)
+        check_optimizer(optimizer)
     sample_args = tuple(sample_args) if isinstance(sample_args, (tuple, list)) else (sample_args,)
     layout = InputLayout(_NAME, sample_args, dict(sample_kwargs or {}))
     wants_grad = next((i for i, t in enumerate(layout.samples) if t.requires_grad), None)
@@ -372,33 +360,11 @@ def make_graphed_step(step_fn: Callable, sample_args: Any, sample_kwargs: Option
     if not eager_replay and any(t.device.type != "cuda" for t in layout.samples):
         raise ValueError("make_graphed_step: the sample batch must be on the CUDA device the step runs on "
                          "(or pass eager_replay=True).")
+    if get_rng_state_tracker is not None and not callable(get_rng_state_tracker):
+        raise TypeError("make_graphed_step: get_rng_state_tracker must be a function returning the RNG tracker "
+                        f"(as Megatron's get_cuda_rng_tracker), got {describe_value(get_rng_state_tracker)}.")
     tracker = get_rng_state_tracker() if get_rng_state_tracker is not None else rng.process_tracker()
-    step = GraphedStep(step_fn, layout, modules, optimizer, tracker, eager_replay, verify_options(verify))
+    step = GraphedStep(step_fn, layout, modules, optimizer, tracker, eager_replay,
+                       verify_options(verify, "make_graphed_step"))
     step.prepare(num_warmup_iters, pool if pool is not None or eager_replay else torch.cuda.graph_pool_handle())
     return step
-
-
-def _check_optimizer(optimizer: Any) -> None:
-    if not hasattr(optimizer, "param_groups") or not hasattr(optimizer, "state"):
-        raise TypeError(f"make_graphed_step: optimizer must be a torch.optim.Optimizer, got {describe_value(optimizer)}.")
-
-
-def _with_state(optimizer: Any) -> set:
-    """Ids of the parameters ``optimizer`` keeps state for."""
-    return {id(p) for p, state in optimizer.state.items() if state} if optimizer is not None else set()
-
-
-def _check_no_state_made(optimizer: Any, before: set) -> None:
-    """After the first warmup pass: the step made no optimizer state that was not there (an
-    optimizer makes it lazily at a parameter's first step; made inside the capture, it would
-    be made anew at every replay). An optimizer that keeps none (SGD without momentum), or
-    none for a parameter without gradients, passes. State the pass made is dropped."""
-    made = [p for p, state in list(optimizer.state.items()) if state and id(p) not in before] if optimizer else []
-    if made:
-        for p in made:
-            del optimizer.state[p]
-        raise ValueError(
-            "make_graphed_step: the optimizer has no state yet for some parameters; it makes it lazily at its "
-            "first step, which inside a graph would happen anew at every replay. Run one eager step before "
-            "graphing the step (its result is kept)."
-        )

@@ -48,7 +48,7 @@ class Verify:
             raise ValueError(f"te_graph.Verify: tolerance={self.tolerance!r}; use 'bitwise' or 'rounding'.")
 
 
-def verify_options(value: Any) -> Optional[Verify]:
+def verify_options(value: Any, who: str = "make_graphed_callables") -> Optional[Verify]:
     """``verify=`` as given: None or False (off; None reads ``TE_GRAPH_VERIFY``), True (the
     first calls), an int N (the first N calls) or a ``Verify``."""
     if value is None:
@@ -59,11 +59,11 @@ def verify_options(value: Any) -> Optional[Verify]:
         return Verify()
     if isinstance(value, int) and not isinstance(value, bool):
         if value < 0:
-            raise ValueError(f"make_graphed_callables: verify={value}; give the number of first calls to verify (>= 0).")
+            raise ValueError(f"{who}: verify={value}; give the number of first calls to verify (>= 0).")
         return Verify(first=value) if value else None
     if isinstance(value, Verify):
         return value
-    raise TypeError(f"make_graphed_callables: verify must be True/False, an int (the first calls to verify) or a "
+    raise TypeError(f"{who}: verify must be True/False, an int (the first calls to verify) or a "
                     f"te_graph.Verify, got {value!r} ({type(value).__name__}).")
 
 
