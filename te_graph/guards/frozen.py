@@ -45,6 +45,7 @@ from .hooks import (
     hooks_outside_graphs, leaving_out, same_objects,
 )
 from .reads import ForwardReads, kept, plain_value, watched_names
+from .slots import GONE, ScriptAttributes, Slot, equal_is_identity, qualified, same_memory
 
 __all__ = ["FrozenModule", "REGRAPH"]
 
@@ -65,34 +66,6 @@ REGRAPH = (
 )
 
 
-class _Slot:
-    """An entry of a module's ``__dict__``, ``_parameters``, ``_buffers`` or ``_modules``."""
-
-    __slots__ = ("table", "key", "what")
-
-    def __init__(self, table: dict, key: str, what: str):
-        self.table, self.key, self.what = table, key, what
-
-
-class _ScriptAttributes:
-    """A TorchScript module's attributes as a table: they live in its C++ object, not in
-    its ``__dict__`` (its ``training`` flag, for one), so they are read through ``getattr``."""
-
-    __slots__ = ("module",)
-
-    def __init__(self, module: torch.jit.ScriptModule):
-        self.module = module
-
-    def __getitem__(self, key: str) -> Any:
-        try:
-            return getattr(self.module, key)
-        except AttributeError:
-            raise KeyError(key) from None
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return getattr(self.module, key, default)
-
-
 class FrozenModule:
     """The fingerprint of one graphed module: what its graphs read of it."""
 
@@ -107,9 +80,9 @@ class FrozenModule:
         self.module = module
         reads = reads if reads is not None else ForwardReads()
         recorded: list[torch.nn.Module] = []  # modules whose reads are known
-        slots: list[_Slot] = []  # values compared by equality (after identity): flags, floats, strings
+        slots: list[Slot] = []  # values compared by equality (after identity): flags, floats, strings
         values: list[Any] = []
-        object_slots: list[_Slot] = []  # compared by identity: parameters, buffers, submodules, main_grad
+        object_slots: list[Slot] = []  # compared by identity: parameters, buffers, submodules, main_grad
         objects: list[Any] = []
         hook_tables: list[dict] = []
         hook_names: list[str] = []
@@ -118,7 +91,7 @@ class FrozenModule:
         hook_owners: list[Optional[torch.nn.Module]] = []  # the module of each table (None: global)
         params: list[tuple[str, torch.Tensor]] = []
         main_grads: list[tuple[str, torch.Tensor]] = []
-        tensor_slots: list[_Slot] = []  # plain tensor attributes: the graphs read them by address
+        tensor_slots: list[Slot] = []  # plain tensor attributes: the graphs read them by address
         tensor_values: list[torch.Tensor] = []
         buffers: list[tuple[str, torch.Tensor]] = []  # read by address: `.data = ...` moves one
         outside = hooks_outside_graphs(module, routed)
@@ -134,10 +107,10 @@ class FrozenModule:
                                 (sub._modules, "submodule")) if not script else ():
                 structure.append(table)
                 for key, value in table.items():
-                    object_slots.append(_Slot(table, key, f"{kind} {_qualified(prefix, key)!r}"))
+                    object_slots.append(Slot(table, key, f"{kind} {qualified(prefix, key)!r}"))
                     objects.append(value)
             attributes = sub.__dict__
-            slots.append(_Slot(_ScriptAttributes(sub) if script else attributes, "training", where))
+            slots.append(Slot(ScriptAttributes(sub) if script else attributes, "training", where))
             values.append(sub.training)
             read = id(sub) in reads.recorded
             if read:
@@ -151,15 +124,15 @@ class FrozenModule:
             for key in names:
                 value = attributes[key]
                 if type(value) is torch.Tensor:
-                    tensor_slots.append(_Slot(attributes, key, f"attribute {key!r} of {where}"))
+                    tensor_slots.append(Slot(attributes, key, f"attribute {key!r} of {where}"))
                     tensor_values.append(value)
                 elif read or type(value) is not int:
                     # An int the forward was seen to read may steer it (a mode, a count); one it
                     # was not seen to read may be a framework's per-call counter read elsewhere
                     # (megatron-core's current_microbatch, read by its own replay routing).
-                    slots.append(_Slot(attributes, key, f"attribute {key!r} of {where}"))
+                    slots.append(Slot(attributes, key, f"attribute {key!r} of {where}"))
                     values.append(kept(value) if plain_value(value) else value)  # a dict of options: its contents
-            buffers.extend((_qualified(prefix, k), b) for k, b in compat.buffer_slots(sub).items()
+            buffers.extend((qualified(prefix, k), b) for k, b in compat.buffer_slots(sub).items()
                            if type(b) is torch.Tensor)
             # The graphed module's own hooks run around the graphed forward, unless its class
             # routes the call to the graphs before nn.Module.__call__ runs them.
@@ -174,15 +147,15 @@ class FrozenModule:
             fused = SEAM.writes_main_grad(sub)
             for name, p in compat.parameter_slots(sub).items():
                 if p is not None:
-                    params.append((_qualified(prefix, name), p))
+                    params.append((qualified(prefix, name), p))
                     if fused and isinstance(p.__dict__.get("main_grad"), torch.Tensor):
                         # Transformer Engine's fused weight-gradient GEMM writes main_grad by
                         # address: the same object (a slot) at the same address (megatron-core
                         # DDP's offload and reload of its grad buffers keep the object).
-                        object_slots.append(_Slot(p.__dict__, "main_grad",
-                                                  f"main_grad of parameter {_qualified(prefix, name)!r}"))
+                        object_slots.append(Slot(p.__dict__, "main_grad",
+                                                  f"main_grad of parameter {qualified(prefix, name)!r}"))
                         objects.append(p.__dict__["main_grad"])
-                        main_grads.append((_qualified(prefix, name), p.__dict__["main_grad"]))
+                        main_grads.append((qualified(prefix, name), p.__dict__["main_grad"]))
         for kind, table in compat.global_module_hook_dicts() if global_hooks_run_at_capture_only(module, routed or step) else ():
             hook_tables.append(table)
             hook_names.append(f"global module {kind} (torch.nn.modules.module.register_module_{kind[:-1]})")
@@ -251,7 +224,7 @@ class FrozenModule:
         safe: list[int] = []
         rest: list[int] = []
         for i, value in enumerate(values):
-            (safe if i < len(self._slots) or _equal_is_identity(value) else rest).append(i)
+            (safe if i < len(self._slots) or equal_is_identity(value) else rest).append(i)
         self._safe_tables = tuple(slots[i].table for i in safe)
         self._safe_keys = tuple(slots[i].key for i in safe)
         self._ident_tables = tuple(slots[i].table for i in rest)
@@ -312,15 +285,15 @@ class FrozenModule:
         scalars = len(self._slots)  # then the objects compared by identity
         by_address = scalars + self._first_tensor  # from here on, plain tensor attributes (read by address)
         for i, slot in enumerate(self._slots + self._object_slots):
-            now = slot.table.get(slot.key, _GONE)
+            now = slot.table.get(slot.key, GONE)
             then = values[i]
             if now is then:
                 continue
-            if now is _GONE:
+            if now is GONE:
                 found.append(f"{slot.what} was deleted")
             elif isinstance(then, torch.nn.Module) or isinstance(now, torch.nn.Module):
                 found.append(f"{slot.what} was replaced by another module")
-            elif i >= by_address and type(now) is torch.Tensor and _same_memory(now, then):
+            elif i >= by_address and type(now) is torch.Tensor and same_memory(now, then):
                 values[i] = now  # another tensor over the same memory: the graphs read it alike
             elif i >= by_address:
                 found.append(f"{slot.what} was replaced by another object ({describe_value(now)}); the graphs "
@@ -403,25 +376,3 @@ class FrozenModule:
                 found.append(f"{where!r} has an instance attribute {shadowed[0]!r} now, which hides what its forward "
                              f"read from its class at capture (a forward or method patched on the instance)")
         return found
-
-
-_GONE = object()
-
-
-def _equal_is_identity(value: Any) -> bool:
-    """Whether ``value == other`` can only hold for ``other is value``, or raise: an object
-    with object's ==, or a tensor of several elements (a one-element tensor's == would
-    compare its value)."""
-    if isinstance(value, torch.Tensor):
-        return value.numel() > 1 and type(value) in (torch.Tensor, torch.nn.Parameter)
-    return type(value).__eq__ is object.__eq__
-
-
-def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``a`` lies where ``b`` does, laid out alike (what a graph reads of it)."""
-    return (a.data_ptr(), a.shape, a.stride(), a.dtype, a.device) == (b.data_ptr(), b.shape, b.stride(), b.dtype,
-                                                                         b.device)
-
-
-def _qualified(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
