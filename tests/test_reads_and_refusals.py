@@ -362,6 +362,21 @@ def test_graphing_under_a_profiler_leaves_it_running():
     assert profiler.getstats(), "the profiler saw nothing after graphing"
 
 
+def test_a_batch_norm_a_function_closes_over_keeps_its_statistics_through_graphing():
+    """The batch-norm ops update running_mean and running_var without saying so in their
+    schema: warmup's passes through a function closing over a BatchNorm leave them as they
+    were, and the calls after update them as eager code does."""
+    bn = nn.BatchNorm1d(H, affine=False)
+    reference = copy.deepcopy(bn)
+    graphed = te_graph.make_graphed_callables(lambda x: bn(x) * 2, (_x("cpu")[0],), eager_replay=True)
+    harness.assert_same(list(bn.buffers()), list(reference.buffers()), "the statistics after graphing")
+    for seed in range(3):
+        x = _x("cpu", seed=seed)[0]
+        graphed(x).sum().backward()
+        (reference(x) * 2).sum().backward()
+    harness.assert_same(list(bn.buffers()), list(reference.buffers()), "the statistics after three calls")
+
+
 def _against_eager(m, ref, step_of, steps):
     """``step_of(module, step)`` (returns the output and input to record) on the graphed module
     and on its eager copy, a step each in turn; the two traces bitwise equal: outputs, input

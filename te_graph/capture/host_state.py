@@ -187,9 +187,10 @@ class _Effects(compat.TorchDispatchMode):
         schema = func._schema
         if compat.draws_random(func) and self.refusal is None:
             self._check_draw(kwargs.get("generator"))
-        for argument, value in zip(schema.arguments, args):
-            if (argument.alias_info is not None and argument.alias_info.is_write and isinstance(value, torch.Tensor)
-                    and value.device.type == self.device_type and _storage(value) not in self.storages):
+        written = [v for a, v in zip(schema.arguments, args) if a.alias_info is not None and a.alias_info.is_write]
+        for value in written + list(compat.unannotated_writes(func, args)):
+            if (isinstance(value, torch.Tensor) and value.device.type == self.device_type
+                    and _storage(value) not in self.storages):
                 self.owner.note_outside(value)
         out = func(*args, **kwargs)
         for t in out if isinstance(out, (tuple, list)) else (out,):

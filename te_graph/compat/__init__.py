@@ -64,6 +64,7 @@ __all__ = [
     "saved_tensor_hooks",
     "TorchDispatchMode",
     "draws_random",
+    "unannotated_writes",
     "global_module_hook_dicts",
     "accumulate_grad_node",
     "is_accumulate_grad",
@@ -367,6 +368,18 @@ def global_module_hook_dicts() -> list[tuple[str, dict]]:
 # torch >= 2.0) draw random numbers.
 
 _SEEDED = getattr(getattr(torch, "Tag", None), "nondeterministic_seeded", None)
+
+
+# torch 2.4-2.13: the batch-norm ops update running_mean and running_var in place without
+# saying so in their schema (no ``(a!)``; pytorch/pytorch#73050, #65563), where training=True.
+_BATCH_NORM_WRITES = frozenset({"aten::native_batch_norm", "aten::cudnn_batch_norm", "aten::miopen_batch_norm"})
+
+
+def unannotated_writes(op: Any, args: tuple) -> tuple:
+    """The tensors ``op`` updates in place that its schema does not mark as written."""
+    if op._schema.name in _BATCH_NORM_WRITES and len(args) > 5 and args[5] is True:
+        return tuple(t for t in args[3:5] if isinstance(t, torch.Tensor))
+    return ()
 
 
 def draws_random(op: Any) -> bool:
