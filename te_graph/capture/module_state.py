@@ -222,13 +222,6 @@ class ModuleState:
         before = {id(t) for _, t, _ in self._tensors} | {id(b) for _, b in self._buffers}
         standing_in = {id(s) for s in stand_ins}
         for attr, tensor in self._held_tensors(owner):
-            if id(tensor) in standing_in and isinstance(attr.module, torch.nn.RNNBase):
-                raise ValueError(
-                    f"make_graphed_callables: {attr.owner} holds a torch.nn.RNN, LSTM or GRU "
-                    f"({attr.where!r}), which te_graph does not graph: such a module re-points its weights "
-                    "(_flat_weights, and flatten_parameters on the GPU) whenever its parameters change, as they "
-                    "do while graphs are made. Graph the layers around it and run it eagerly."
-                )
             if id(tensor) in standing_in:
                 raise ValueError(
                     f"make_graphed_callables: the forward of {attr.owner} keeps a reference to one of its "

@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import rng
 
+from .device_ops import draws_random, unannotated_writes  # noqa: F401
 from .engine import (  # noqa: F401  (the autograd engine's privates, in a module of their own)
     accumulate_grad_node,
     after_this_backward,
@@ -359,32 +360,6 @@ def global_module_hook_dicts() -> list[tuple[str, dict]]:
     kinds = (("forward_hooks", "_global_forward_hooks"), ("forward_pre_hooks", "_global_forward_pre_hooks"),
              ("backward_hooks", "_global_backward_hooks"), ("backward_pre_hooks", "_global_backward_pre_hooks"))
     return [(kind, getattr(_nn_module, name)) for kind, name in kinds if isinstance(getattr(_nn_module, name, None), dict)]
-
-
-# -- watching a forward's device ops --------------------------------------------------------
-# ``TorchDispatchMode`` (``torch.utils._python_dispatch``, private, torch >= 1.13; torch's own
-# FlopCounterMode and checkpoint's selective recompute build on it, imported above) sees every
-# device op a forward dispatches; ops tagged ``nondeterministic_seeded`` (``torch.Tag``,
-# torch >= 2.0) draw random numbers.
-
-_SEEDED = getattr(getattr(torch, "Tag", None), "nondeterministic_seeded", None)
-
-
-# torch 2.4-2.13: the batch-norm ops update running_mean and running_var in place without
-# saying so in their schema (no ``(a!)``; pytorch/pytorch#73050, #65563), where training=True.
-_BATCH_NORM_WRITES = frozenset({"aten::native_batch_norm", "aten::cudnn_batch_norm", "aten::miopen_batch_norm"})
-
-
-def unannotated_writes(op: Any, args: tuple) -> tuple:
-    """The tensors ``op`` updates in place that its schema does not mark as written."""
-    if op._schema.name in _BATCH_NORM_WRITES and len(args) > 5 and args[5] is True:
-        return tuple(t for t in args[3:5] if isinstance(t, torch.Tensor))
-    return ()
-
-
-def draws_random(op: Any) -> bool:
-    """Whether the aten overload ``op`` draws random numbers."""
-    return _SEEDED is not None and _SEEDED in getattr(op, "tags", ())
 
 
 # -- outputs overwritten by a later replay --------------------------------------------------

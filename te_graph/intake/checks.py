@@ -111,6 +111,13 @@ def check_modules(callables: Sequence[Callable]) -> None:
         for name, module in c.named_modules():
             where = f"submodule {name!r} of callable {index}" if name else f"callable {index}"
             SEAM.check_module(where, module)  # what an integration refuses of its modules
+            if isinstance(module, torch.nn.RNNBase):
+                raise ValueError(
+                    f"make_graphed_callables: {where} is a torch.nn.{type(module).__name__}, which te_graph does not "
+                    "graph: torch's recurrent modules re-point their weights (_flat_weights, and flatten_parameters on "
+                    "the GPU) whenever their parameters change, as they do while graphs are made. Graph the layers "
+                    "around it and run it eagerly."
+                )
             if isinstance(module, torch.nn.modules.lazy.LazyModuleMixin) and module.has_uninitialized_params():
                 raise ValueError(
                     f"make_graphed_callables: {where} ({type(module).__name__}) is a lazy module whose parameters "
