@@ -87,6 +87,17 @@ def test_reset_and_verify_check_every_argument_before_acting():
     m(_x()).sum().backward()
 
 
+@pytest.mark.parametrize("bad", [5, "a", {1: 2}, [("y", 1)]], ids=["int", "str", "int-key", "pairs"])
+def test_sample_kwargs_of_the_wrong_type_are_refused_clearly(bad):
+    import te_graph
+
+    m, x = Lin(), _x()
+    with refused(TypeError, re.escape("make_graphed_callables: sample_kwargs holds "), m):
+        make_graphed_callables(m, (x,), sample_kwargs=bad, eager_replay=True)
+    with refused(TypeError, re.escape("make_graphed_step: sample_kwargs must be a dict of keyword name -> sample"), m):
+        te_graph.make_graphed_step(lambda x: m(x).sum(), (x,), sample_kwargs=bad, modules=m, eager_replay=True)
+
+
 def test_non_tensor_positional_sample_arg():
     m = Lin()
     sample = (_x(), 2.0)

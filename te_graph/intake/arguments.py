@@ -91,6 +91,13 @@ def _normalise_samples(sample_args: Any, sample_kwargs: Any, single: bool, num_c
             f"make_graphed_callables: sample_kwargs is a {type(sample_kwargs).__name__}; give a "
             "tuple with one dict per callable."
         )
+    for k in sample_kwargs:
+        if k is not None and not (isinstance(k, Mapping) and all(isinstance(key, str) for key in k)):
+            shown = repr(k) if len(repr(k)) <= 60 else repr(k)[:57] + "..."
+            raise TypeError(
+                f"make_graphed_callables: sample_kwargs holds {shown} ({type(k).__name__}); give a dict of "
+                "keyword name -> sample per callable (one dict for one callable, a tuple of dicts for several)."
+            )
     return args, tuple(dict(k or {}) for k in sample_kwargs)
 
 

@@ -349,6 +349,9 @@ def make_graphed_step(step_fn: Callable, sample_args: Any, sample_kwargs: Option
     if optimizer is not None:
         check_optimizer(optimizer)
     sample_args = tuple(sample_args) if isinstance(sample_args, (tuple, list)) else (sample_args,)
+    if sample_kwargs is not None and not (isinstance(sample_kwargs, dict) and all(isinstance(k, str) for k in sample_kwargs)):
+        raise TypeError(f"make_graphed_step: sample_kwargs must be a dict of keyword name -> sample, got "
+                        f"{describe_value(sample_kwargs)}.")
     layout = InputLayout(_NAME, sample_args, dict(sample_kwargs or {}))
     wants_grad = next((i for i, t in enumerate(layout.samples) if t.requires_grad), None)
     if wants_grad is not None:
