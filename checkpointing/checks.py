@@ -67,16 +67,16 @@ def check_call(
         )
 
 
-def tracker_from(getter: Callable[[], Any] | None) -> Any:
+def tracker_from(getter: Callable[[], Any] | None, who: str = "checkpoint") -> Any:
     """The tracker ``getter`` returns (ours when ``getter`` is None), checked for
-    ``get_states``, ``set_states`` and ``fork``."""
+    ``get_states``, ``set_states`` and ``fork``; ``who`` names the caller in the error."""
     if getter is None:
         return rng.get_cuda_rng_tracker()
     tracker = getter()
     missing = [m for m in _TRACKER_METHODS if not callable(getattr(tracker, m, None))]
     if missing:
         raise TypeError(
-            f"checkpoint: get_rng_state_tracker() returned {describe(tracker)}, which has no "
+            f"{who}: get_rng_state_tracker() returned {describe(tracker)}, which has no "
             f"{', '.join(missing)}; it must return an RNG tracker with get_states(), "
             "set_states() and fork() (ours: rng.get_cuda_rng_tracker(); Megatron's, apex's "
             "and Transformer Engine's work too)."

@@ -11,6 +11,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence, TypeVar, overload
 import torch
 
 import rng
+from checkpointing.checks import tracker_from
 
 from .capture.prepare import Prepared, prepare_graphs
 from .capture.session import CaptureOptions
@@ -176,7 +177,8 @@ def make_graphed_callables(
         checks.check_devices([s.func for s in specs], [s.layout for s in specs], options.eager_replay)
 
     # 4. Warm up and capture (restores everything it changes if it fails).
-    tracker = options.get_rng_state_tracker() if options.get_rng_state_tracker is not None else rng.process_tracker()
+    tracker = tracker_from(options.get_rng_state_tracker, "make_graphed_callables") \
+        if options.get_rng_state_tracker is not None else rng.process_tracker()
     lease = None
     if not options.eager_replay:
         given = pool is not None

@@ -98,6 +98,19 @@ def test_sample_kwargs_of_the_wrong_type_are_refused_clearly(bad):
         te_graph.make_graphed_step(lambda x: m(x).sum(), (x,), sample_kwargs=bad, modules=m, eager_replay=True)
 
 
+def test_a_tracker_getter_returning_no_tracker_is_refused_clearly():
+    import te_graph
+
+    m, x = Lin(), _x()
+    for who, call in (("make_graphed_callables", lambda: make_graphed_callables(
+            m, (x,), get_rng_state_tracker=lambda: 5, eager_replay=True)),
+            ("make_graphed_step", lambda: te_graph.make_graphed_step(
+                lambda x: m(x).sum(), (x.detach(),), modules=m, get_rng_state_tracker=lambda: 5, eager_replay=True))):
+        with refused(TypeError, re.escape(f"{who}: get_rng_state_tracker() returned 5 (int), which has no "
+                                          "get_states, set_states, fork"), m):
+            call()
+
+
 def test_non_tensor_positional_sample_arg():
     m = Lin()
     sample = (_x(), 2.0)

@@ -29,6 +29,7 @@ import torch
 
 import rng
 from checkpointing.capture_hook import capture_hook_set
+from checkpointing.checks import tracker_from
 from checkpointing.torch_routing import torch_checkpoint_routed
 
 from ..capture.graphs import capturing
@@ -366,7 +367,8 @@ def make_graphed_step(step_fn: Callable, sample_args: Any, sample_kwargs: Option
     if get_rng_state_tracker is not None and not callable(get_rng_state_tracker):
         raise TypeError("make_graphed_step: get_rng_state_tracker must be a function returning the RNG tracker "
                         f"(as Megatron's get_cuda_rng_tracker), got {describe_value(get_rng_state_tracker)}.")
-    tracker = get_rng_state_tracker() if get_rng_state_tracker is not None else rng.process_tracker()
+    tracker = tracker_from(get_rng_state_tracker, "make_graphed_step") if get_rng_state_tracker is not None \
+        else rng.process_tracker()
     step = GraphedStep(step_fn, layout, modules, optimizer, tracker, eager_replay,
                        verify_options(verify, "make_graphed_step"))
     step.prepare(num_warmup_iters, pool if pool is not None or eager_replay else torch.cuda.graph_pool_handle())
