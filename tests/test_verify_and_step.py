@@ -157,8 +157,10 @@ def test_the_verifier_reports_each_silent_class_with_its_guard_switched_off(chan
 
 
 def test_verify_options_are_checked():
-    with refused(TypeError, re.escape("te_graph.Verify: first must be an int >= 0, got -1.")):
+    with refused(ValueError, re.escape("te_graph.Verify: first must be an int >= 0, got -1.")):
         te_graph.Verify(first=-1)
+    with refused(TypeError, re.escape("te_graph.Verify: fraction must be a number from 0 to 1, got '0.5' (str).")):
+        te_graph.Verify(fraction="0.5")
     with refused(ValueError, re.escape("te_graph.Verify: on_mismatch='ignore'; use one of 'raise', 'warn', 'eager'.")):
         te_graph.Verify(on_mismatch="ignore")
     lin, sample = nn.Linear(4, 4), torch.randn(2, 4)

@@ -37,9 +37,14 @@ class Verify:
     def __post_init__(self) -> None:
         for name in ("first", "every", "seed"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise TypeError(f"te_graph.Verify: {name} must be an int >= 0, got {value!r}.")
-        if isinstance(self.fraction, bool) or not isinstance(self.fraction, (int, float)) or not 0 <= self.fraction <= 1:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"te_graph.Verify: {name} must be an int >= 0, got {value!r} ({type(value).__name__}).")
+            if value < 0:
+                raise ValueError(f"te_graph.Verify: {name} must be an int >= 0, got {value!r}.")
+        if isinstance(self.fraction, bool) or not isinstance(self.fraction, (int, float)):
+            raise TypeError(f"te_graph.Verify: fraction must be a number from 0 to 1, got {self.fraction!r} "
+                            f"({type(self.fraction).__name__}).")
+        if not 0 <= self.fraction <= 1:
             raise ValueError(f"te_graph.Verify: fraction must be a number from 0 to 1, got {self.fraction!r}.")
         if self.on_mismatch not in ON_MISMATCH:
             raise ValueError(f"te_graph.Verify: on_mismatch={self.on_mismatch!r}; use one of "
@@ -70,9 +75,12 @@ def verify_options(value: Any, who: str = "make_graphed_callables") -> Optional[
 def _from_environment() -> Any:
     """``TE_GRAPH_VERIFY``: a boolean word, or the number of first calls to verify."""
     text = os.environ.get("TE_GRAPH_VERIFY", "").strip()
-    if text.isdigit():
+    if text.isascii() and text.isdigit():
         return int(text)
-    return rng.env_flag("TE_GRAPH_VERIFY")
+    try:
+        return rng.env_flag("TE_GRAPH_VERIFY")
+    except ValueError as error:
+        raise ValueError(f"{error} (TE_GRAPH_VERIFY also takes a count: verify the first N calls, N >= 0)") from None
 
 
 class Schedule:
