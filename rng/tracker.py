@@ -56,9 +56,19 @@ class CudaRNGStatesTracker:
     """
 
     def __init__(self, device: torch.device | str | None = None, graph_safe: bool | None = None):
+        if graph_safe is not None and not isinstance(graph_safe, bool):
+            raise TypeError(f"CudaRNGStatesTracker: graph_safe must be True, False or None (pick for the device), "
+                            f"got {graph_safe!r} ({type(graph_safe).__name__}).")
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
+        try:
+            self.device = torch.device(device)
+        except (RuntimeError, TypeError) as error:
+            raise ValueError(f"CudaRNGStatesTracker: device must be a torch.device or a device string such as "
+                             f"'cuda' or 'cuda:1', got {device!r} ({error}).") from None
+        if self.device.type not in ("cuda", "cpu"):
+            raise ValueError(f"CudaRNGStatesTracker: device must be a CUDA device (or the CPU, for eager replay), "
+                             f"got {self.device}.")
         if graph_safe is None:
             graph_safe = self.device.type == "cuda" and graph_safe_rng_available()
         if graph_safe and not (self.device.type == "cuda" and graph_safe_rng_available()):

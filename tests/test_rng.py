@@ -400,6 +400,18 @@ def seeded_tracker() -> CudaRNGStatesTracker:
     return tracker
 
 
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(graph_safe="no"), TypeError, "CudaRNGStatesTracker: graph_safe must be True, False or None (pick for the "
+                                       "device), got 'no' (str)."),
+    (dict(device="meta"), ValueError, "CudaRNGStatesTracker: device must be a CUDA device (or the CPU, for eager "
+                                      "replay), got meta."),
+    (dict(device="bogus"), ValueError, "CudaRNGStatesTracker: device must be a torch.device or a device string"),
+], ids=["graph-safe-str", "device-meta", "device-bogus"])
+def test_a_tracker_refuses_bad_construction_arguments(kwargs, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        rng.CudaRNGStatesTracker(**kwargs)
+
+
 CPU_STATE_BYTES = torch.Generator().get_state().numel()  # the Mersenne Twister's state
 SET_B = "CudaRNGStatesTracker.set_states: the state of stream 'b'"
 VALID = torch.Generator().manual_seed(77).get_state()  # a good state, unlike stream 'a''s
