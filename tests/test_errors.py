@@ -111,6 +111,19 @@ def test_a_tracker_getter_returning_no_tracker_is_refused_clearly():
             call()
 
 
+def test_order_and_megatron_enable_arguments_of_the_wrong_type_are_refused_clearly():
+    from te_graph.integrations import megatron
+
+    m, x = Lin(), _x()
+    with refused(TypeError, re.escape("make_graphed_callables: order must be a list or tuple of ints (TE's _order: "
+                                      "+c the forward of chunk c, -c its backward, in the order they run), got 5 "
+                                      "(int)."), m):
+        make_graphed_callables((m,), ((x,),), order=5, eager_replay=True)
+    with pytest.raises(TypeError, match=re.escape("te_graph.integrations.megatron.enable(): recompute must be True or "
+                                                  "False, got 'no' (str).")):
+        megatron.enable(recompute="no")
+
+
 def test_non_tensor_positional_sample_arg():
     m = Lin()
     sample = (_x(), 2.0)

@@ -80,6 +80,12 @@ def graph_options(te_arguments: Mapping[str, Any], **given: Any) -> GraphOptions
         options["eager_replay"] = eager_replay_default()
     _check_types(options)
     if options["order"] is not None:
+        if not isinstance(options["order"], (list, tuple)):
+            raise TypeError(
+                f"make_graphed_callables: order must be a list or tuple of ints (TE's _order: +c the forward of "
+                f"chunk c, -c its backward, in the order they run), got {options['order']!r} "
+                f"({type(options['order']).__name__})."
+            )
         options["order"] = tuple(options["order"])
     options["more_shapes"] = tuple(options["more_shapes"])
     result = GraphOptions(**options, fp8_arguments=tuple(fp8))

@@ -195,11 +195,15 @@ def enable(recompute: bool = True) -> None:
     """Make megatron-core's helper graph with te_graph, and (``recompute``) Megatron's
     checkpoints recompute exactly. Call after importing megatron-core, before
     ``TECudaGraphHelper.create_cudagraphs()``; :func:`disable` undoes it."""
+    if not isinstance(recompute, bool):
+        raise TypeError(f"te_graph.integrations.megatron.enable(): recompute must be True or False, got "
+                        f"{recompute!r} ({type(recompute).__name__}).")
     try:
         import megatron.core.tensor_parallel  # noqa: F401, PLC0415
         import megatron.core.transformer.cuda_graphs  # noqa: F401, PLC0415
     except ImportError as error:
-        raise RuntimeError(f"te_graph.integrations.megatron.enable(): megatron-core does not import ({error}).") from error
+        raise RuntimeError(f"te_graph.integrations.megatron.enable(): megatron-core does not import ({error}); "
+                           "install it (pip install megatron-core) in the environment that trains.") from error
     _patch(_CUDA_GRAPHS, "make_graphed_callables", make_graphed_callables)
     if recompute:
         _patch("megatron.core.tensor_parallel", "checkpoint", checkpoint)
