@@ -23,17 +23,16 @@ import sys
 import pytest
 
 from tests import harness
+from tests.test_megatron_path import SETUPS as PATH_SETUPS
 from tests.test_megatron_path import ROOT, _run, _trace, pytestmark, rows  # noqa: F401 - pytestmark: its marks
 from tests.multi_gpu_helpers import fresh_process_env
 
 WHOLE = ("te_graph_step", "te_graph_step_replay")
 
-SETUPS = {
-    "bf16-dropout": ["--dropout", "0.1", "--fusion", "0"],
-    "bf16-dropout-fusion": ["--dropout", "0.1", "--fusion", "1"],
-    "full-recompute-dropout": ["--dropout", "0.1", "--fusion", "1", "--recompute", "full"],
-    "selective-recompute-dropout": ["--dropout", "0.1", "--fusion", "1", "--recompute", "selective"],
-    "rope-dropout": ["--rope", "1", "--dropout", "0.1", "--fusion", "1"],
+# The per-layer path's setups this path shares, then its own.
+SETUPS = {name: PATH_SETUPS[name] for name in (
+    "bf16-dropout", "bf16-dropout-fusion", "full-recompute-dropout", "selective-recompute-dropout", "rope-dropout")}
+SETUPS.update({
     # Megatron's optimizer (fp32 main weights, gradient clipping) steps eagerly after each replay.
     "megatron-optimizer": ["--dropout", "0.1", "--fusion", "1", "--optimizer", "megatron"],
     # DDP reduces each bucket from its grad hooks as the last microbatch's gradients are ready.
@@ -46,7 +45,7 @@ SETUPS = {
     "regraph-dropout": ["--dropout", "0.1", "--fusion", "1", "--regraph-at", "3"],
     # te_graph's verifier runs every graphed step again eagerly and compares, bitwise.
     "verify-full-recompute": ["--dropout", "0.1", "--fusion", "1", "--recompute", "full", "--step-verify", "1"],
-}
+})
 
 
 @pytest.mark.parametrize("setup", rows(SETUPS))
