@@ -27,7 +27,7 @@ from .replay.eager_runner import EagerRunner
 from .replay.graph_runner import GraphRunner
 from .replay.graphed import GraphedCallable, install_on_module
 from .replay.order import NO_CLOCK, Clock, OrderSlot, ReplayContext, ReplayOptions, ReplayOrder, WgradBook
-from .resources import RESOURCES, graphed_callable_of
+from .resources import RESOURCES, graphed_callable_of, graphed_callables_in
 from .step.graphed_step import GraphedStep, make_graphed_step
 from .verify.callable import turn_on, verify
 from .verify.options import Verify, verify_options
@@ -227,24 +227,17 @@ def reset(*graphed: Any) -> None:
     if not graphed:
         RESOURCES.teardown()
         return
-    found = []  # every argument checked before any is reset
-    pending = list(graphed)
-    while pending:
-        obj = pending.pop(0)
-        if isinstance(obj, (tuple, list)):
-            pending[:0] = list(obj)
-            continue
-        callable_ = graphed_callable_of(obj)
-        if callable_ is None and isinstance(obj, torch.nn.Module):
-            continue  # a module not graphed (any more): its forward is its own
-        if callable_ is None:
+    found = graphed_callables_in(graphed)
+    for obj, callable_ in found:
+        # A module not graphed (any more) is left alone: its forward is its own.
+        if callable_ is None and not isinstance(obj, torch.nn.Module):
             raise TypeError(
                 f"te_graph.reset(): {type(obj).__name__} is not a graphed callable or a module "
                 "graphed by make_graphed_callables."
             )
-        found.append(callable_)
-    for callable_ in found:
-        callable_.reset()
+    for _, callable_ in found:
+        if callable_ is not None:
+            callable_.reset()
 
 
 def _capture_options(options: GraphOptions, pool: Any, tracker: Any, fp8: Any) -> CaptureOptions:

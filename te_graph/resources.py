@@ -33,7 +33,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import compat
 
-__all__ = ["ProcessResources", "RESOURCES", "PoolLease", "Graphed", "graphed_callable_of"]
+__all__ = ["ProcessResources", "RESOURCES", "PoolLease", "Graphed", "graphed_callable_of", "graphed_callables_in"]
 
 
 class PoolLease:
@@ -98,6 +98,21 @@ def graphed_callable_of(obj: Any) -> Optional[Graphed]:
         if isinstance(forward, Graphed):
             return forward
     return None
+
+
+def graphed_callables_in(objects: Any) -> list[tuple[Any, Optional[Graphed]]]:
+    """Each object of ``objects`` (nested tuples and lists opened, in order) with the graphed
+    callable behind it, or None: what ``reset()`` and ``verify()`` check whole before they
+    act on any."""
+    found: list[tuple[Any, Optional[Graphed]]] = []
+    pending = list(objects)
+    while pending:
+        obj = pending.pop(0)
+        if isinstance(obj, (tuple, list)):
+            pending[:0] = list(obj)
+        else:
+            found.append((obj, graphed_callable_of(obj)))
+    return found
 
 
 class ProcessResources:

@@ -30,18 +30,24 @@ def is_accumulate_grad(node: Any) -> bool:
 engine_will_execute: Callable[[Any], bool] = getattr(torch._C, "_will_engine_execute_node", lambda node: True)
 
 
-def engine_asks_for(leaf: torch.Tensor) -> bool:
-    """Whether the backward running now asks for ``leaf``'s gradient: ``backward(inputs=...)``
-    runs its accumulator, ``torch.autograd.grad`` captures it. For a captured leaf
-    ``_will_engine_execute_node`` raises instead of answering (torch >= 2.0, engine.cpp:
-    "A leaf node was passed to _will_engine_execute_node but we are currently running
-    autograd.grad()"): that refusal means yes."""
+def _captured_or_executed(node: Any) -> tuple[bool, bool]:
+    """``(captured, executed)`` for ``node``, a leaf's accumulator, in the backward running
+    now: ``backward(inputs=...)`` runs it, ``torch.autograd.grad`` captures the leaf's
+    gradient instead. For a captured leaf ``_will_engine_execute_node`` raises instead of
+    answering (torch >= 2.0, engine.cpp: "A leaf node was passed to _will_engine_execute_node
+    but we are currently running autograd.grad()"): that refusal means captured."""
     try:
-        return engine_will_execute(accumulate_grad_node(leaf))
+        return False, engine_will_execute(node)
     except RuntimeError as error:
         if "autograd.grad" in str(error):
-            return True
+            return True, False
         raise
+
+
+def engine_asks_for(leaf: torch.Tensor) -> bool:
+    """Whether the backward running now asks for ``leaf``'s gradient (runs its accumulator
+    or captures it)."""
+    return any(_captured_or_executed(accumulate_grad_node(leaf)))
 
 
 def engine_captures(nodes: Sequence[Any]) -> bool:
@@ -49,15 +55,10 @@ def engine_captures(nodes: Sequence[Any]) -> bool:
     gradient of a leaf among those whose accumulators are ``nodes`` (it hands them to its
     caller, who keeps them). One query where the first node will execute (a full backward,
     or ``backward(inputs=...)`` naming it: neither captures anything)."""
-    for node in nodes:
-        try:
-            if engine_will_execute(node) and node is nodes[0]:
-                return False
-        except RuntimeError as error:
-            if "autograd.grad" in str(error):
-                return True
-            raise
-    return False
+    captured, executed = _captured_or_executed(nodes[0])
+    if captured or executed:
+        return captured
+    return any(_captured_or_executed(node)[0] for node in nodes[1:])
 
 
 def after_this_backward(callback: Callable[[], None]) -> None:

@@ -77,12 +77,11 @@ def before_in_graph(runner: Any) -> None:
 
 def after_in_graph(runner: Any) -> None:
     """After ``runner``'s in-graph backward: its parameters' ``.grad``s as they are now."""
+    grads = tuple(map(_grad, runner.accumulated))
+    entry = (weakref.ref(runner), grads, _versions(grads))
     with _lock:
         book = _running.get(compat.graph_task_id())
-    if book is not None:
-        grads = tuple(map(_grad, runner.accumulated))
-        entry = (weakref.ref(runner), grads, _versions(grads))
-        with _lock:
+        if book is not None:
             book.calls.append(entry)
 
 

@@ -12,7 +12,7 @@ import torch
 
 from ..replay.function import run
 from ..replay.graphed import GraphedCallable
-from ..resources import graphed_callable_of
+from ..resources import graphed_callables_in
 from .compare import differences, report
 from .options import Schedule, Verify
 from .shadow import ModuleSnapshot, Shadow, arguments_before
@@ -131,19 +131,12 @@ def verify(*graphed: Any, first: int = 8, every: int = 0, fraction: float = 0.0,
         raise TypeError(f"te_graph.verify(): options must be a te_graph.Verify, got {type(options).__name__}.")
     options = options if options is not None else Verify(first, every, fraction, on_mismatch, tolerance, seed)
     off = options.first == 0 and options.every == 0 and options.fraction == 0
-    found = []  # every argument checked before any is switched
-    pending = list(graphed)
-    while pending:
-        obj = pending.pop(0)
-        if isinstance(obj, (tuple, list)):
-            pending[:0] = list(obj)
-            continue
-        callable_ = graphed_callable_of(obj)
+    found = graphed_callables_in(graphed)
+    for obj, callable_ in found:
         if not isinstance(callable_, GraphedCallable):
             raise TypeError(f"te_graph.verify(): {type(obj).__name__} is not a graphed callable or a module "
                             "graphed by make_graphed_callables.")
-        found.append(callable_)
-    for callable_ in found:
+    for _, callable_ in found:
         turn_on(callable_, None if off else options)
 
 
