@@ -19,6 +19,10 @@ dispatcher, aux-loss load balancing), trained through Megatron's schedule and DD
   experts alone, behind megatron-core's eager dispatch.
   ``te_graph buckets 4x`` adds 3 and 4 times (with top-2 of 8 experts, 4 times the even
   share is every token: no call runs eagerly), for a larger pool.
+* ``te_graph switch``: dropless, each layer graphed whole (as drop-and-pad is), the capacity
+  chosen on the GPU by a conditional node over the buckets 1, 1.25, 1.5, 1.75, 2, 2.5 and 3
+  times the even share and every token (``te_graph.integrations.megatron.moe_switch``): no host sync and no
+  eager call per layer.
 * ``eager drop-pad`` / ``te_graph drop-pad`` / ``TE drop-pad``: drop-and-pad routing at
   capacity factor 1 (tokens beyond an expert's capacity are dropped), graphed whole: the
   reference a dropless graph is measured against, and the share of token assignments it drops.
@@ -52,6 +56,8 @@ from _megatron_run import model_arguments, run_example, save
 
 _PARTIAL = ["--graph-modules", "attn,moe_router,moe_preprocess"]
 _DROP_PAD = ["--capacity", "1.0"]
+# A bucket the GPU does not take costs no time, only pool memory: finer than the host's.
+_SWITCH_BUCKETS = "1.0,1.25,1.5,1.75,2.0,2.5,3.0"
 # row -> (examples.megatron_gpt --graphs, extra arguments)
 ROWS = {
     "eager": ("eager", []),
@@ -61,6 +67,7 @@ ROWS = {
     "te_graph buckets experts only": ("te_graph", _PARTIAL + ["--buckets", "1.0,1.25,1.5,2.0", "--moe-span", "experts"]),
     "te_graph buckets eager overflow": ("te_graph", _PARTIAL + ["--buckets", "1.0,1.25,1.5,2.0", "--overflow", "eager"]),
     "te_graph buckets 4x": ("te_graph", _PARTIAL + ["--buckets", "1.0,1.25,1.5,2.0,3.0,4.0"]),
+    "te_graph switch": ("te_graph", ["--buckets", _SWITCH_BUCKETS, "--choose", "device"]),
     "eager drop-pad": ("eager", _DROP_PAD),
     "te_graph drop-pad": ("te_graph", _DROP_PAD),
     "TE drop-pad": ("te", _DROP_PAD),

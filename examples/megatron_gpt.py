@@ -130,6 +130,10 @@ class RunConfig:
     # "auto": the graphs hold the dispatch around the experts where each rank holds whole experts;
     # "experts": the experts alone; "dispatch": refuse a layer whose dispatch cannot go in
     moe_span: str = "auto"
+    # "host": the capacity's graph is picked on the host from the routing counts (a sync per
+    # layer call); "device": a conditional node picks it on the GPU, inside the graph of the
+    # whole layer (with an empty --graph-modules; the last capacity holds every token)
+    choose: str = "host"
     # "eager", "te_graph" (the helper, te_graph's graphs), "te_graph_replay" (te_graph's eager
     # replay), "te" (the helper, Transformer Engine's graphs), "te_graph_step" (the whole step as
     # one graph: te_graph.integrations.megatron.make_graphed_train_step, plain SGD inside it,
@@ -500,21 +504,13 @@ def _make_graphs(cfg: RunConfig, model: list, helper: Any) -> list:
         if cfg.overlap_param_gather:
             for chunk in model:
                 chunk.disable_forward_pre_hook(param_sync=False)
+        choose_on_device = cfg.buckets and cfg.graphs != "te" and cfg.choose == "device"
+        if choose_on_device:  # the layers' graphs then hold the node that picks the capacity
+            dropless = _graph_dropless(cfg, model)
         with _thread_local_capture() if cfg.graphs == "te" else contextlib.nullcontext():
             helper.create_cudagraphs()
-        if cfg.buckets and cfg.graphs != "te":
-            from te_graph.integrations.megatron.moe import capacities_for, graph_dropless_experts  # noqa: PLC0415
-
-            # A layer call routes its rank's share of the sequence (context and sequence
-            # parallel); an expert's rank receives the tokens of every rank of its expert- and
-            # expert-tensor-parallel group.
-            tokens = cfg.seq // cfg.context_parallel // (cfg.tensor_parallel if cfg.sequence_parallel else 1)
-            tokens *= cfg.micro_batch
-            capacities = capacities_for(tokens * cfg.expert_parallel * cfg.expert_tensor_parallel, cfg.topk,
-                                        cfg.experts,
-                                        [float(f) for f in cfg.buckets.split(",")])
-            dropless = [d for chunk in model for d in graph_dropless_experts(
-                chunk, capacities, tokens=tokens, span=cfg.moe_span, overflow=cfg.overflow)]
+        if cfg.buckets and cfg.graphs != "te" and not choose_on_device:
+            dropless = _graph_dropless(cfg, model)
         if cfg.overlap_param_gather:
             for chunk in model:
                 chunk.enable_forward_pre_hook()
@@ -525,6 +521,21 @@ def _make_graphs(cfg: RunConfig, model: list, helper: Any) -> list:
         else:
             os.environ["TE_GRAPH_EAGER_REPLAY"] = previous
     return dropless
+
+
+def _graph_dropless(cfg: RunConfig, model: list) -> list:
+    """te_graph's dropless experts for ``--buckets`` (``--choose``: where the capacity is picked)."""
+    from te_graph.integrations.megatron.moe import capacities_for, graph_dropless_experts  # noqa: PLC0415
+
+    # A layer call routes its rank's share of the sequence (context and sequence parallel); an
+    # expert's rank receives the tokens of every rank of its expert- and expert-tensor-parallel group.
+    tokens = cfg.seq // cfg.context_parallel // (cfg.tensor_parallel if cfg.sequence_parallel else 1)
+    tokens *= cfg.micro_batch
+    capacities = capacities_for(tokens * cfg.expert_parallel * cfg.expert_tensor_parallel, cfg.topk, cfg.experts,
+                                [float(f) for f in cfg.buckets.split(",")])
+    options = {"choose": "device"} if cfg.choose == "device" else {"overflow": cfg.overflow}
+    return [d for chunk in model for d in graph_dropless_experts(chunk, capacities, tokens=tokens, span=cfg.moe_span,
+                                                                 **options)]
 
 
 class _count_routed:

@@ -23,6 +23,7 @@ from ..planning.buffers import TensorMeta
 from ..planning.schedule import FORWARD, WGRAD, Step
 from ..records import CapturedGraph, GraphPlan, GraphSpec, WarmupRecord
 from . import host_sync
+from .conditional.runtime import capturing_into
 from .recompute_rng import NO_SYNC, RecomputeRNG, TrackerSync
 from .session import CaptureOptions, CaptureSession
 from .passes import grad_mode, precision_context
@@ -161,7 +162,7 @@ def capturing(name: str, graph: Any, mempool: Any, generators: Sequence[torch.Ge
         graph.capture_begin(pool=mempool, capture_error_mode=mode)
         begun = True
         try:
-            with host_sync.waits_refused(name):
+            with host_sync.waits_refused(name), capturing_into(mempool):  # for conditional nodes within
                 yield
         except BaseException as error:
             refusal = host_sync.refusal_of(name, error)

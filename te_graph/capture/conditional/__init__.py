@@ -13,7 +13,9 @@ captured program runs, from a value the graph computed itself, with no host sync
         with conditional.if_(flag, pool=pool):
             fix_up()
 
-``switch`` adds a SWITCH node (body ``index`` runs; none out of range), ``if_`` an IF node
+``switched(index, programs, inputs, params=)`` runs one of several differentiable programs,
+chosen on the GPU in the forward and again in the backward (two SWITCH nodes); outside a
+capture it reads the index on the host. ``switch`` adds a SWITCH node (body ``index`` runs; none out of range), ``if_`` an IF node
 (torch's own where torch has one, ``native_if_available``). Bodies hold kernels, copies and
 allocations; no random numbers, collectives, events, other streams or host waits (refused by
 name, ``ConditionalCaptureError``) and no nesting. Needs the ``cuda-bindings`` package
@@ -26,7 +28,8 @@ from __future__ import annotations
 from .driver import EXTRA
 from .guards import ConditionalCaptureError
 from .nodes import Body, Switch, if_, native_if_available, switch
-from .runtime import prepare, teardown
+from .runtime import capture_pool, prepare, teardown
+from .switched import switched
 
-__all__ = ["switch", "if_", "Switch", "Body", "ConditionalCaptureError", "native_if_available", "prepare",
+__all__ = ["switch", "if_", "switched", "capture_pool", "Switch", "Body", "ConditionalCaptureError", "native_if_available", "prepare",
            "teardown", "EXTRA"]

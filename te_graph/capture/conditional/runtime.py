@@ -5,19 +5,23 @@
   captured on. The stream is made by the driver, so torch's stream pool never hands it out as
   a capture stream, and its cuBLAS workspace is made once, outside any body, by a warm-up.
 * :func:`route_to_pool`: the allocator route of a capture that holds a conditional node.
+* :func:`capture_pool`: the pool of the capture under way, which te_graph's capture names
+  (:func:`capturing_into`) for nodes made deep inside the code it captures.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
 from ...resources import RESOURCES
 from . import driver
 
-__all__ = ["DeviceRuntime", "runtime", "prepare", "teardown", "route_to_pool", "routing_available"]
+__all__ = ["DeviceRuntime", "runtime", "prepare", "teardown", "route_to_pool", "routing_available",
+           "capturing_into", "capture_pool"]
 
 _lock = threading.Lock()
 _runtimes: "weakref.WeakSet[DeviceRuntime]" = weakref.WeakSet()
@@ -154,3 +158,41 @@ def route_to_pool(device: int, pool: Any) -> None:
         ) from error
     torch._C._cuda_beginAllocateToPool(device, pool)
     torch._C._cuda_releasePool(device, pool)  # begin took a use of the pool; the capture holds one already
+
+
+# -- the pool of the capture under way ------------------------------------------------------------
+# A node made inside code te_graph captures (a layer's forward, or its backward on autograd's
+# worker thread) cannot be handed the pool by its caller: te_graph's capture names it here, per
+# device, for as long as it captures. torch >= 2.12 names its own current capture.
+_capture_pools: dict[int, Any] = {}
+
+
+@contextlib.contextmanager
+def capturing_into(pool: Any) -> Iterator[None]:
+    """While te_graph captures into ``pool`` on the current device: :func:`capture_pool` names it."""
+    device = torch.cuda.current_device()
+    previous = _capture_pools.get(device)
+    _capture_pools[device] = pool
+    try:
+        yield
+    finally:
+        if previous is None:
+            _capture_pools.pop(device, None)
+        else:
+            _capture_pools[device] = previous
+
+
+def capture_pool() -> Any:
+    """The memory pool of the capture under way on the current device: te_graph's, else torch's
+    own current capture's where torch names it (``CUDAGraph.get_currently_capturing_graph``);
+    None where neither is known."""
+    pool = _capture_pools.get(torch.cuda.current_device())
+    if pool is not None:
+        return pool
+    current = getattr(torch.cuda.CUDAGraph, "get_currently_capturing_graph", None)
+    if current is None:
+        return None
+    try:
+        return current().pool()
+    except RuntimeError:
+        return None

@@ -11,12 +11,14 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from ...api import make_graphed_callables
+from ...capture import conditional
 from ...extension import SEAM
 from . import moe_dispatch
 from .moe_dispatch import (
     agreed_refusal, block_rows, dispatch_refusal, distinct_blocks, expert_parallel_size, functions_refusal,
 )
 from .moe_experts import DroplessExperts, PaddedExperts, fp8_state
+from .moe_switch import DeviceChosenDispatch
 
 __all__ = ["graph_dropless_experts", "capacities_for"]
 
@@ -28,6 +30,9 @@ _OVERFLOW_ROWS = {"padded": 128, "eager": None}  # rows per expert the overflow 
 
 
 _SPANS = ("auto", "experts", "dispatch")
+
+
+_CHOICES = ("host", "device")
 
 
 def capacities_for(tokens: int, topk: int, num_experts: int, factors: Sequence[float], multiple: int = 16) -> list[int]:
@@ -47,6 +52,7 @@ def graph_dropless_experts(
     span: str = "auto",
     probs_dtype: Optional[torch.dtype] = None,
     overflow: str = "padded",
+    choose: str = "host",
     eager_replay: Optional[bool] = None,
     **graph_options: Any,
 ) -> list[DroplessExperts]:
@@ -72,13 +78,21 @@ def graph_dropless_experts(
     ("padded": a few GEMM shapes that cuBLASLt has met before, where the counts' own shapes
     would cost a host-side algorithm search per GEMM at every call; more GEMM rows), or the
     experts' own forward ("eager": the unpadded GEMMs).
+    ``choose``: ``"host"`` (default) picks the capacity's graph on the host from the routing
+    counts (a sync per layer call); ``"device"`` makes no graphs of its own: each layer call
+    runs one conditional node that picks the capacity on the GPU (:mod:`.moe_switch`), with
+    ``tokens`` as the last capacity (nothing overflows), for the layer to be graphed whole
+    after this call (Megatron's helper with an empty ``cuda_graph_modules``). It takes the
+    dispatch span, one expert-parallel rank and no FP8; ``overflow``, ``eager_replay`` and
+    ``graph_options`` belong to the layer's graphs then and are refused here.
     Returns one :class:`DroplessExperts` per layer (``remove()`` undoes it)."""
+    if choose not in _CHOICES:
+        raise ValueError(f"te_graph.graph_dropless_experts: choose={choose!r}; use 'host' or 'device'.")
+    if choose == "device":
+        return _device_chosen(model, capacities, tokens, span, probs_dtype, overflow, eager_replay, graph_options)
     if not capacities or any(int(c) <= 0 for c in capacities):
         raise ValueError(f"te_graph.graph_dropless_experts: capacities must be positive row counts, got {list(capacities)}.")
-    layers = [m for m in model.modules() if hasattr(m, "experts") and hasattr(m, "token_dispatcher")]
-    if not layers:
-        raise ValueError("te_graph.graph_dropless_experts: the model holds no megatron-core MoELayer (a module "
-                         "with .experts and .token_dispatcher).")
+    layers = _moe_layers(model)
     if overflow not in _OVERFLOW_ROWS:
         raise ValueError(f"te_graph.graph_dropless_experts: overflow={overflow!r}; use 'padded' or 'eager'.")
     if span not in _SPANS:
@@ -109,7 +123,65 @@ def graph_dropless_experts(
     return installed
 
 
-def _span_of(layer: torch.nn.Module, span: str, tokens: Optional[int], largest_first: list[int]) -> tuple[str, list]:
+def _moe_layers(model: torch.nn.Module) -> list:
+    layers = [m for m in model.modules() if hasattr(m, "experts") and hasattr(m, "token_dispatcher")]
+    if not layers:
+        raise ValueError("te_graph.graph_dropless_experts: the model holds no megatron-core MoELayer (a module "
+                         "with .experts and .token_dispatcher).")
+    return layers
+
+
+def _device_chosen(model: torch.nn.Module, capacities: Sequence[int], tokens: Optional[int], span: str,
+                   probs_dtype: Optional[torch.dtype], overflow: str, eager_replay: Optional[bool],
+                   graph_options: dict) -> list[DroplessExperts]:
+    """``choose="device"``: every refusal first, then one :class:`DeviceChosenDispatch` per layer."""
+    where = "te_graph.graph_dropless_experts(choose='device')"
+    if not capacities or any(int(c) <= 0 for c in capacities):
+        raise ValueError(f"{where}: capacities must be positive row counts, got {list(capacities)}.")
+    given = [name for name, value in (("overflow", overflow != "padded"), ("eager_replay", eager_replay is not None),
+                                      *((n, True) for n in graph_options)) if value]
+    if given:
+        raise ValueError(f"{where}: {', '.join(given)} belong to the graphs of the whole layer, which this call "
+                         "does not make; pass them where the layer is graphed.")
+    if span not in ("auto", "dispatch"):
+        raise ValueError(f"{where}: the node holds the dispatch, experts and combine (span='dispatch'); "
+                         f"span={span!r} is not supported.")
+    if tokens is None or int(tokens) <= 0:
+        raise ValueError(f"{where}: tokens= (the tokens one layer call routes, a positive count) is needed: the "
+                         "last capacity holds all of them.")
+    layers = _moe_layers(model)
+    for layer in layers:
+        ranks = expert_parallel_size(layer.token_dispatcher)
+        if ranks > 1:
+            raise ValueError(f"{where}: the experts are split over {ranks} expert-parallel ranks; the ranks would "
+                             "have to agree on the capacity on the GPU and exchange tokens outside the node's "
+                             "bodies, which is not built. Use choose='host'.")
+        if getattr(layer.config, "fp8", None) or getattr(layer.config, "fp4", None):
+            raise ValueError(f"{where}: the layers train in FP8 or FP4, not yet proven with the capacity chosen on "
+                             "the GPU. Use choose='host'.")
+    largest_first = sorted({min(int(c), int(tokens)) for c in capacities} | {int(tokens)}, reverse=True)
+    plans = [_span_of(layer, "dispatch", int(tokens), largest_first, "Use choose='host'") for layer in layers]
+    conditional.prepare()  # outside any capture: the set kernel and the body stream
+    installed: list[DroplessExperts] = []
+    try:
+        for layer, (_, fitting) in zip(layers, plans):
+            params = list(layer.experts.parameters())
+            dtype = params[0].dtype
+            probs = probs_dtype or _ROUTER_DTYPES.get(getattr(layer.config, "moe_router_dtype", None), dtype)
+            padded = PaddedExperts(layer.experts, type(layer.experts).forward.__get__(layer.experts),
+                                   layer.experts.num_local_experts)
+            program = moe_dispatch.PaddedDispatch(padded, moe_dispatch.module_of(layer.token_dispatcher).unpermute,
+                                                  bool(layer.config.moe_permute_fusion), moe_dispatch.expert_exchange(layer))
+            installed.append(DeviceChosenDispatch(layer, program, fitting, (dtype, probs), int(tokens)))
+    except BaseException:
+        for done in installed:
+            done.remove()
+        raise
+    return installed
+
+
+def _span_of(layer: torch.nn.Module, span: str, tokens: Optional[int], largest_first: list[int],
+             way_out: str = "Use span='experts' (or 'auto')") -> tuple[str, list]:
     """The span graphed for this layer and its capacities, or the refusal (ValueError) of
     what was asked."""
     _check_layer(layer)
@@ -149,7 +221,7 @@ def _span_of(layer: torch.nn.Module, span: str, tokens: Optional[int], largest_f
         return "dispatch", fitting
     if span == "dispatch":
         raise ValueError(f"te_graph.graph_dropless_experts: span='dispatch' cannot graph this layer's dispatch: "
-                         f"{why}. Use span='experts' (or 'auto').")
+                         f"{why}. {way_out}.")
     return "experts", largest_first
 
 

@@ -1,0 +1,171 @@
+"""``conditional.switched``: one of several differentiable programs, chosen on the GPU.
+
+A dropless mixture of experts in plain PyTorch picks its capacity bucket on the device and
+runs that bucket's padded experts through ``switched``, inside one graphed layer with its
+router and dropout: graphs and eager replay train bitwise as eager over steps whose routing
+takes every bucket (the last holds every token routed to one expert), with no host sync in
+the graphed steps. On the CPU: the eager path and the refusals.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import te_graph
+from te_graph.capture import conditional
+from tests.harness import EAGER, EAGER_REPLAY, GRAPHED, Trace, assert_same
+
+TOKENS, HIDDEN, FFN, EXPERTS, TOPK = 64, 32, 48, 4, 2
+
+
+class DroplessMoE(nn.Module):
+    """Top-2 routing over 4 experts without dropping: the tokens laid out ``capacity`` rows per
+    expert for the smallest capacity that holds the busiest expert (chosen on the device),
+    the experts' two GEMMs on that layout, the real rows gathered back and combined, then
+    dropout (outside the node)."""
+
+    def __init__(self, factors: tuple = (1.1, 1.25)):
+        super().__init__()
+        self.router = nn.Linear(HIDDEN, EXPERTS, bias=False)
+        self.experts = nn.ParameterDict({"w1": torch.randn(EXPERTS, HIDDEN, FFN) / math.sqrt(HIDDEN),
+                                         "w2": torch.randn(EXPERTS, FFN, HIDDEN) / math.sqrt(FFN)})
+        even = TOKENS * TOPK // EXPERTS
+        self.capacities = sorted({min(TOKENS, math.ceil(f * even)) for f in factors} | {TOKENS})
+        self.register_buffer("bounds", torch.tensor(self.capacities))
+        self.dropout = nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs, chosen = self.router(x).softmax(dim=-1).topk(TOPK, dim=-1)
+        expert, token = chosen.reshape(-1), torch.arange(TOKENS, device=x.device).repeat_interleave(TOPK)
+        order = torch.argsort(expert * TOKENS + token)  # grouped by expert, in token order
+        counts = torch.zeros(EXPERTS, dtype=torch.long, device=x.device).index_add_(
+            0, expert, torch.ones_like(expert))
+        bucket = torch.searchsorted(self.bounds, counts.max().view(1)).view(())
+        programs = [functools.partial(self.bucket, c) for c in self.capacities]
+        rows = conditional.switched(bucket, programs, (x.index_select(0, token[order]), probs.reshape(-1)[order],
+                                                       counts), module=self.experts)
+        return self.dropout(torch.zeros_like(x).index_add(0, token[order], rows))
+
+    def bucket(self, capacity: int, tokens: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        ends = counts.cumsum(dim=0)
+        position = torch.arange(tokens.shape[0], device=tokens.device)
+        expert = torch.searchsorted(ends, position, right=True)
+        rows = expert * capacity + position - (ends - counts).index_select(0, expert)
+        padded = tokens.new_zeros(EXPERTS * capacity, HIDDEN).index_copy(0, rows, tokens)
+        hidden = torch.bmm(padded.view(EXPERTS, capacity, HIDDEN), self.experts["w1"]).relu()
+        out = torch.bmm(hidden, self.experts["w2"]).view(EXPERTS * capacity, HIDDEN)
+        return out.index_select(0, rows) * weights.unsqueeze(-1)
+
+
+def bucket_of(model: DroplessMoE, x: torch.Tensor) -> int:
+    """The bucket the model picks for ``x``, on the host."""
+    chosen = model.router(x).topk(TOPK, dim=-1).indices.reshape(-1)
+    busiest = int(torch.bincount(chosen, minlength=EXPERTS).max())
+    return next(i for i, c in enumerate(model.capacities) if c >= busiest)
+
+
+def batches(model: DroplessMoE, steps: int = 9) -> list:
+    """Inputs whose routing takes every bucket: random ones, and every token pulled to one
+    expert (the last bucket) by a component along its router row."""
+    torch.manual_seed(1)
+    xs = []
+    for step in range(steps):
+        x = torch.randn(TOKENS, HIDDEN)
+        if step % 3 == 2:
+            row = model.router.weight[step % EXPERTS].detach().cpu()
+            x = x + 12 * row / row.norm()
+        xs.append(x.to(model.router.weight.device))
+    return xs
+
+
+def train(mode: str, device: str) -> tuple[Trace, list]:
+    torch.manual_seed(0)
+    model = DroplessMoE().to(device)
+    xs = batches(model)
+    buckets = [bucket_of(model, x) for x in xs[:1]]
+    layer = model
+    if mode != EAGER:
+        layer = te_graph.make_graphed_callables(model, (xs[0].clone(),), eager_replay=mode == EAGER_REPLAY)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    trace = Trace()
+    torch.manual_seed(2)
+    for step, x in enumerate(xs):
+        if step:
+            buckets.append(bucket_of(model, x))
+        out = layer(x)
+        (out * torch.linspace(-1, 1, HIDDEN, device=device)).square().mean().backward()
+        trace.microbatch(out)
+        trace.step(model.parameters())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    trace.end(model.parameters())
+    return trace, buckets
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_bucket_chosen_on_the_device_trains_as_eager(device):
+    want, buckets = train(EAGER, device)
+    assert set(buckets) == {0, 1, 2}, buckets  # every bucket, the last (every token to one expert) included
+    for mode in GRAPHED[device]:
+        got, got_buckets = train(mode, device)
+        assert got_buckets == buckets
+        assert_same(got, want, f"{mode} against eager")
+
+
+@pytest.mark.gpu
+def test_graphed_steps_wait_for_nothing_on_the_host():
+    """Replays of the layer's graphs, its backward and the optimizer, under
+    ``set_sync_debug_mode("error")``: no host sync, and the bucket each step picked ran."""
+    torch.manual_seed(0)
+    model = DroplessMoE().cuda()
+    xs = batches(model)
+    layer = te_graph.make_graphed_callables(model, (xs[0].clone(),))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, foreach=True)
+    scale = torch.linspace(-1, 1, HIDDEN, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for x in xs:
+            (layer(x) * scale).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
+# -- CPU: the eager path and the refusals -----------------------------------------------------------
+def test_outside_a_capture_the_host_reads_the_index_and_runs_that_program():
+    x = torch.randn(3, requires_grad=True)
+    programs = [lambda t, k=k: t * (k + 1) for k in range(3)]
+    out = conditional.switched(torch.tensor(2), programs, (x,))
+    out.sum().backward()
+    assert_same(out, x.detach() * 3)
+    assert_same(x.grad, torch.full((3,), 3.0))
+
+
+@pytest.mark.parametrize("index, error, match", [
+    (torch.tensor(3), IndexError, r"switched: index 3 is out of range for 3 programs"),
+    (torch.tensor(-1), IndexError, r"switched: index -1 is out of range for 3 programs"),
+    (torch.tensor(1.0), TypeError, r"switched: index must be a tensor of one integer element"),
+    (torch.tensor([0, 1]), TypeError, r"switched: index must be a tensor of one integer element"),
+    (1, TypeError, r"switched: index must be a tensor of one integer element"),
+])
+def test_a_bad_index_is_refused(index, error, match):
+    with pytest.raises(error, match=match):
+        conditional.switched(index, [lambda t: t] * 3, (torch.zeros(2),))
+
+
+def test_bad_programs_and_inputs_are_refused():
+    with pytest.raises(ValueError, match="switched: give at least one program"):
+        conditional.switched(torch.tensor(0), [], (torch.zeros(2),))
+    with pytest.raises(TypeError, match="switched: programs must be callables"):
+        conditional.switched(torch.tensor(0), [3], (torch.zeros(2),))
+    with pytest.raises(TypeError, match="switched: inputs must be tensors, got int; close over the rest"):
+        conditional.switched(torch.tensor(0), [lambda t, k: t], (torch.zeros(2), 3))
+    with pytest.raises(TypeError, match="switched: module must be a torch.nn.Module, not list"):
+        conditional.switched(torch.tensor(0), [lambda t: t], (torch.zeros(2),), module=[])
