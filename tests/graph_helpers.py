@@ -126,3 +126,48 @@ def require(module: str, what: str):
     """Import te_graph's ``module`` (an integration, or a part of one), or skip the calling
     test module: the engine's tests run without it, as without its framework."""
     return pytest.importorskip(module, reason=f"needs {module} ({what}), which does not import here")
+
+
+def megatron_ddp_hooks(params) -> list:
+    """What megatron-core's DDP does per parameter: a main_grad buffer (fp32), the
+    grad_added_to_main_grad flag, and a hook on the gradient accumulator that adds .grad into
+    main_grad unless the kernel did it already, then drops .grad. Keep the returned
+    accumulators alive while training."""
+    kept = []
+    for p in params:
+        p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        p.grad_added_to_main_grad = False
+        accumulator = p.expand_as(p).grad_fn.next_functions[0][0]
+
+        def hook(*_, p=p):
+            if p.grad is not None and not p.grad_added_to_main_grad:
+                p.main_grad.add_(p.grad.data)
+            p.grad = None
+        accumulator.register_hook(hook)
+        kept.append(accumulator)
+    return kept
+
+
+def main_grad_steps(layers, params, batch, trace, lr: float = 0.01):
+    """Three SGD steps on main_grad, two microbatches each, ``batch(generator)`` making each
+    input: into ``trace`` each input's grad, each step's main_grads and grad_added_to_main_grad
+    flags, and the weights after it."""
+    data = torch.Generator(device=params[0].device).manual_seed(5)
+    for _ in range(3):
+        for p in params:
+            p.main_grad.zero_()
+        for _ in range(2):
+            x = batch(data)
+            y = x
+            for layer in layers:
+                y = layer(y)
+            weighted_loss(y).backward()
+            trace.input_grads.append(x.grad.clone())
+        # each step's main_grads, then whether the fused kernels wrote them
+        trace.main_grads.append([p.main_grad.clone() for p in params]
+                                + [torch.tensor(p.grad_added_to_main_grad) for p in params])
+        with torch.no_grad():
+            for p in params:
+                p.add_(p.main_grad.to(p.dtype), alpha=-lr)
+        trace.weights.append([p.detach().clone() for p in params])
+    return trace

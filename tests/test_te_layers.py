@@ -30,7 +30,7 @@ from te_graph import make_graphed_callables
 
 from _pipeline import interleaved_1f1b_order, run_order, with_wgrad_passes
 from tests import harness
-from tests.graph_helpers import require, weighted_loss
+from tests.graph_helpers import main_grad_steps, megatron_ddp_hooks, require
 from tests.harness import EAGER, GRAPHED, GRAPHS, Trace
 from tests.test_verify_rows import and_verified, verifying
 
@@ -746,25 +746,6 @@ def test_delayed_weight_gradients_need_their_passes_in_the_order():
 
 
 # -- gradient-accumulation fusion (fuse_wgrad_accumulation=True, Megatron's main_grad) -------------
-def _megatron_ddp_hooks(params) -> list:
-    """What megatron-core's DDP does per parameter: a main_grad buffer (fp32), the
-    grad_added_to_main_grad flag, and a hook on the gradient accumulator that adds .grad into
-    main_grad unless the kernel did it already, then drops .grad."""
-    kept = []
-    for p in params:
-        p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-        p.grad_added_to_main_grad = False
-        accumulator = p.expand_as(p).grad_fn.next_functions[0][0]
-
-        def hook(*_, p=p):
-            if p.grad is not None and not p.grad_added_to_main_grad:
-                p.main_grad.add_(p.grad.data)
-            p.grad = None
-        accumulator.register_hook(hook)
-        kept.append(accumulator)
-    return kept
-
-
 def _fused_run(kind: str, mode: str) -> Trace:
     reseed(11)
     t = te()
@@ -772,7 +753,7 @@ def _fused_run(kind: str, mode: str) -> Trace:
               else t.LayerNormMLP(H, FFN, params_dtype=torch.bfloat16, fuse_wgrad_accumulation=True) for _ in range(2)]
     layers = [m.cuda() for m in layers]
     params = [p for m in layers for p in m.parameters()]
-    keep = _megatron_ddp_hooks(params)
+    keep = megatron_ddp_hooks(params)
     if mode != EAGER:
         g = torch.Generator(device="cuda").manual_seed(3)
         samples = tuple((torch.randn(S, B, H, device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True),)
@@ -780,24 +761,8 @@ def _fused_run(kind: str, mode: str) -> Trace:
         layers = list(make_graphed_callables(tuple(layers), samples, eager_replay=harness.eager_replay(mode)))
     trace = Trace()
     trace.main_grads.append([p.main_grad.clone() for p in params])  # graphing leaves main_grad as it was
-    data = torch.Generator(device="cuda").manual_seed(5)
-    for step in range(3):
-        for p in params:
-            p.main_grad.zero_()
-        for _ in range(2):
-            x = torch.randn(S, B, H, device="cuda", dtype=torch.bfloat16, generator=data, requires_grad=True)
-            y = x
-            for layer in layers:
-                y = layer(y)
-            weighted_loss(y).backward()
-            trace.input_grads.append(x.grad.clone())
-        # each step's main_grads, then whether the fused kernels wrote them
-        trace.main_grads.append([p.main_grad.clone() for p in params]
-                                + [torch.tensor(p.grad_added_to_main_grad) for p in params])
-        with torch.no_grad():
-            for p in params:
-                p.add_(p.main_grad.to(p.dtype), alpha=-0.01)
-        trace.weights.append([p.detach().clone() for p in params])
+    main_grad_steps(layers, params, lambda data: torch.randn(S, B, H, device="cuda", dtype=torch.bfloat16,
+                                                             generator=data, requires_grad=True), trace)
     del keep
     return trace
 

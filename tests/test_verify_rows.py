@@ -24,7 +24,7 @@ from torch import nn
 import te_graph
 from te_graph.verify.shadow import Shadow
 from tests import harness
-from tests.graph_helpers import weighted_loss
+from tests.graph_helpers import main_grad_steps, megatron_ddp_hooks, weighted_loss
 from tests.harness import DEVICE_MODES, Trace, refused
 
 VERIFY_EVERY_CALL = "1000000"  # TE_GRAPH_VERIFY: the first calls verified, more than any row makes
@@ -262,3 +262,58 @@ def test_the_shadow_reaches_no_real_gradient_through_a_cache_of_the_parameters()
     finally:
         te_graph.extension.unregister(_DropsTheCache.name)
     assert counts == {"forwards": 3, "backwards": 3}, counts
+
+
+# -- a kernel that accumulates the weight gradient into main_grad itself ---------------------------
+class _WgradIntoMainGrad(torch.autograd.Function):
+    """What Transformer Engine's ``fuse_wgrad_accumulation`` does in its backward: the weight
+    gradient added into ``weight.main_grad`` by the kernel, the weight flagged
+    ``grad_added_to_main_grad``, and an uninitialised dummy (NaN here) returned as its .grad."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        return x @ weight.t()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        x, weight = ctx.saved_tensors
+        weight.main_grad.add_(grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1]))
+        weight.grad_added_to_main_grad = True
+        return grad @ weight, torch.full_like(weight, float("nan"))
+
+
+class WgradIntoMainGradLinear(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(width, width) / width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _WgradIntoMainGrad.apply(x, self.weight).tanh()
+
+
+def _main_grad_run(device: str, mode: str) -> Trace:
+    torch.manual_seed(0)
+    layers = [WgradIntoMainGradLinear(8).to(device) for _ in range(2)]
+    params = [p for m in layers for p in m.parameters()]
+    keep = megatron_ddp_hooks(params)
+    if mode != harness.EAGER:
+        samples = tuple((torch.zeros(4, 8, device=device, requires_grad=True),) for _ in layers)
+        layers = list(te_graph.make_graphed_callables(tuple(layers), samples, eager_replay=harness.eager_replay(mode)))
+    trace = main_grad_steps(layers, params, lambda data: torch.randn(4, 8, device=device, generator=data,
+                                                                     requires_grad=True), Trace(), lr=0.1)
+    del keep
+    return trace
+
+
+@pytest.mark.parametrize("device, replay", DEVICE_MODES + [pytest.param("cuda", True, id="eager-replay-cuda",
+                                                                        marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("verified", [False, True], ids=["plain", "verified"])
+def test_a_kernel_that_accumulates_into_main_grad_trains_as_eager(device, replay, verified, monkeypatch):
+    """The weight flagged by the kernel that wrote its main_grad keeps that flag where te_graph
+    runs the call on parameter stand-ins (verified calls): Megatron DDP's hook then leaves the
+    dummy .grad out of main_grad, as in eager code."""
+    mode = harness.EAGER_REPLAY if replay else harness.GRAPHS
+    with verifying(verified, monkeypatch):
+        want, got = _main_grad_run(device, harness.EAGER), _main_grad_run(device, mode)
+    harness.assert_same(got, want, f"{mode}, verified {verified}")

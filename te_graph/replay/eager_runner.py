@@ -148,11 +148,21 @@ class EagerRunner(Runner):
             return input_grads + (None,) + tuple(next(found, None) if a else None for a in asked)
         routed = invocation.route(self.params) if asked is THROUGH_AUTOGRAD else ()
         stand_ins = [p for p in routed if p is not None]
+        # Transformer Engine flags grad_added_to_main_grad on the weight its kernel accumulated
+        # into main_grad: on a stand-in, which carries a copy of the parameter's attributes,
+        # the flag is handed to the parameter before autograd (and DDP's hook) takes its .grad.
+        flagged = [(p, s) for p, s in zip(self.params, routed)
+                   if s is not None and "grad_added_to_main_grad" in s.__dict__]
+        for _, s in flagged:
+            s.grad_added_to_main_grad = False
         # Installed again: a reentrant checkpoint in the forward runs it again in this backward.
         with grads_redirected(self.spec.grad_inputs + tuple(stand_ins)), \
                 invocation.route.installed() if stand_ins else contextlib.nullcontext():
             if pairs:
                 torch.autograd.backward(outputs, grads_, retain_graph=self.retains_graph)
+            for p, s in flagged:
+                if s.grad_added_to_main_grad:
+                    p.grad_added_to_main_grad = True
             self._after_backward()
             if invocation.hooks_seen != OBSERVED and asked is IN_GRAPH:
                 after_in_graph(self)

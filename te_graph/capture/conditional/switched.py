@@ -46,7 +46,9 @@ def switched(index: torch.Tensor, programs: Sequence[Callable[..., Outputs]], in
     Outside a capture ``index`` is read on the host, which refuses one out of range, and the
     device is prepared for conditional nodes (``prepare``) where it is not yet.
     ``pool``: the capture's memory pool (default: the pool of the te_graph capture under way,
-    else, where torch has it, of torch's current capture)."""
+    else, where torch has it, of torch's current capture). Under a capture every parameter of
+    ``module`` gets a gradient from the node, zeros where the program that ran left it unused
+    (eager code leaves such a ``.grad`` as it was): let every program read the same ones."""
     programs, inputs = tuple(programs), tuple(inputs)
     if not programs:
         raise ValueError("switched: give at least one program")
