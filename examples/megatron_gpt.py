@@ -57,6 +57,11 @@ experts alone)::
 
     python -m examples.megatron_gpt --graphs eager,te_graph --experts 4 \
         --graph-modules attn,moe_router,moe_preprocess --buckets 1.0,1.25,1.5,2
+
+``--choose device`` picks the capacity on the GPU instead (a conditional node, no host sync),
+inside the graph of the whole layer (an empty ``--graph-modules``)::
+
+    python -m examples.megatron_gpt --graphs eager,te_graph --experts 4 --buckets 1.0,1.25 --choose device
 """
 from __future__ import annotations
 
