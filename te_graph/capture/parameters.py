@@ -35,8 +35,13 @@ __all__ = ["StandIns", "ForeignLeaves"]
 class StandIns:
     """Stand-ins for the trainable parameters of ``modules`` (shared parameters share one)."""
 
-    def __init__(self, modules: Iterable[torch.nn.Module], only: Optional[Sequence[torch.Tensor]] = None):
-        """``only``: stand in for these parameters alone (default: every trainable one)."""
+    def __init__(self, modules: Iterable[torch.nn.Module], only: Optional[Sequence[torch.Tensor]] = None,
+                 share_attributes: bool = False):
+        """``only``: stand in for these parameters alone (default: every trainable one).
+        ``share_attributes``: every stand-in shares its parameter's attribute dict, so what a
+        kernel sets on the weight it ran on (Transformer Engine's ``grad_added_to_main_grad``)
+        is the parameter's (eager replay's stand-ins; warmup's keep copies, whose
+        ``main_grad`` they swap for scratch)."""
         modules = list(modules)
         self._modules = modules
         wanted = None if only is None else {id(p) for p in only}
@@ -54,7 +59,7 @@ class StandIns:
                         continue
                     if id(p) not in self.of:
                         stand_in = torch.nn.Parameter(p.detach(), requires_grad=True)
-                        if SEAM.is_quantized_parameter(p):
+                        if share_attributes or SEAM.is_quantized_parameter(p):
                             # A TE quantized weight keeps its state in Python attributes
                             # that its ops reassign (the FP8 transpose, made at first use,
                             # and its valid flag): shared, so what warmup and capture make

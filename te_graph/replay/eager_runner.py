@@ -56,8 +56,11 @@ class EagerRunner(Runner):
         used = [p for i, p in enumerate(spec.params) if i not in warmup.unused_params]
         tied = [spec.params[i] for i in sorted(spec.tied_params)]
         module = spec.func if isinstance(spec.func, torch.nn.Module) else None
-        self.routed_all = StandIns([module], only=used) if used and module is not None else None
-        self.routed_tied = StandIns([module], only=tied) if tied and module is not None else None
+        # The stand-ins share their parameters' attributes: Transformer Engine flags
+        # grad_added_to_main_grad on the weight its kernel accumulated into main_grad, which
+        # Megatron DDP's hook reads on the parameter before it adds the .grad.
+        self.routed_all = StandIns([module], only=used, share_attributes=True) if used and module is not None else None
+        self.routed_tied = StandIns([module], only=tied, share_attributes=True) if tied and module is not None else None
         self.always_routed = context.options.always_autograd
         if spec.needs_backward:  # unrouted, the real parameters take their gradients in the nested backward
             self._watch(tuple(used))
@@ -148,21 +151,11 @@ class EagerRunner(Runner):
             return input_grads + (None,) + tuple(next(found, None) if a else None for a in asked)
         routed = invocation.route(self.params) if asked is THROUGH_AUTOGRAD else ()
         stand_ins = [p for p in routed if p is not None]
-        # Transformer Engine flags grad_added_to_main_grad on the weight its kernel accumulated
-        # into main_grad: on a stand-in, which carries a copy of the parameter's attributes,
-        # the flag is handed to the parameter before autograd (and DDP's hook) takes its .grad.
-        flagged = [(p, s) for p, s in zip(self.params, routed)
-                   if s is not None and "grad_added_to_main_grad" in s.__dict__]
-        for _, s in flagged:
-            s.grad_added_to_main_grad = False
         # Installed again: a reentrant checkpoint in the forward runs it again in this backward.
         with grads_redirected(self.spec.grad_inputs + tuple(stand_ins)), \
                 invocation.route.installed() if stand_ins else contextlib.nullcontext():
             if pairs:
                 torch.autograd.backward(outputs, grads_, retain_graph=self.retains_graph)
-            for p, s in flagged:
-                if s.grad_added_to_main_grad:
-                    p.grad_added_to_main_grad = True
             self._after_backward()
             if invocation.hooks_seen != OBSERVED and asked is IN_GRAPH:
                 after_in_graph(self)

@@ -103,7 +103,8 @@ class _Switched(torch.autograd.Function):
         ctx.state, ctx.aliases = state, aliases
         shared: Optional[tuple] = None
         bodies = []
-        with switch(state.index, len(state.programs), pool=state.pool) as node, _installed(state.slots, params, aliases):
+        node = switch(state.index, len(state.programs), pool=state.pool)
+        with node, _installed(state.slots, params, aliases):
             for k, body in enumerate(node):
                 with body, torch.enable_grad():
                     leaves = tuple(t.detach().requires_grad_(t.requires_grad) for t in inputs)

@@ -170,8 +170,9 @@ def _device_chosen(model: torch.nn.Module, capacities: Sequence[int], tokens: Op
             probs = probs_dtype or _ROUTER_DTYPES.get(getattr(layer.config, "moe_router_dtype", None), dtype)
             padded = PaddedExperts(layer.experts, type(layer.experts).forward.__get__(layer.experts),
                                    layer.experts.num_local_experts)
-            program = moe_dispatch.PaddedDispatch(padded, moe_dispatch.module_of(layer.token_dispatcher).unpermute,
-                                                  bool(layer.config.moe_permute_fusion), moe_dispatch.expert_exchange(layer))
+            unpermute = moe_dispatch.module_of(layer.token_dispatcher).unpermute
+            program = moe_dispatch.PaddedDispatch(padded, unpermute, bool(layer.config.moe_permute_fusion),
+                                                  moe_dispatch.expert_exchange(layer))
             installed.append(DeviceChosenDispatch(layer, program, fitting, (dtype, probs), int(tokens)))
     except BaseException:
         for done in installed:
