@@ -161,7 +161,9 @@ def _device_chosen(model: torch.nn.Module, capacities: Sequence[int], tokens: Op
                              "the GPU. Use choose='host'.")
     largest_first = sorted({min(int(c), int(tokens)) for c in capacities} | {int(tokens)}, reverse=True)
     plans = [_span_of(layer, "dispatch", int(tokens), largest_first, "Use choose='host'") for layer in layers]
-    conditional.prepare()  # outside any capture: the set kernel and the body stream
+    for device in {next(layer.experts.parameters()).device for layer in layers}:
+        if device.type == "cuda":  # outside any capture: the set kernel and the body stream
+            conditional.prepare(device.index)
     installed: list[DroplessExperts] = []
     try:
         for layer, (_, fitting) in zip(layers, plans):
