@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 
 import pytest
 import torch
@@ -151,9 +152,10 @@ def test_outside_a_capture_the_host_reads_the_index_and_runs_that_program():
 @pytest.mark.parametrize("index, error, match", [
     (torch.tensor(3), IndexError, r"switched: index 3 is out of range for 3 programs"),
     (torch.tensor(-1), IndexError, r"switched: index -1 is out of range for 3 programs"),
-    (torch.tensor(1.0), TypeError, r"switched: index must be a tensor of one integer element"),
-    (torch.tensor([0, 1]), TypeError, r"switched: index must be a tensor of one integer element"),
-    (1, TypeError, r"switched: index must be a tensor of one integer element"),
+    (torch.tensor(1.0), TypeError, r"switched: index must be a tensor of one int64, int32 or uint8 element"),
+    (torch.tensor(True), TypeError, r"switched: index must be a tensor of one int64, int32 or uint8 element"),
+    (torch.tensor([0, 1]), TypeError, r"switched: index must be a tensor of one int64, int32 or uint8 element"),
+    (1, TypeError, r"switched: index must be a tensor of one int64, int32 or uint8 element"),
 ])
 def test_a_bad_index_is_refused(index, error, match):
     with pytest.raises(error, match=match):
@@ -169,3 +171,68 @@ def test_bad_programs_and_inputs_are_refused():
         conditional.switched(torch.tensor(0), [lambda t, k: t], (torch.zeros(2), 3))
     with pytest.raises(TypeError, match="switched: module must be a torch.nn.Module, not list"):
         conditional.switched(torch.tensor(0), [lambda t: t], (torch.zeros(2),), module=[])
+
+
+class TwoLinears(nn.Module):
+    """Program 0 reads ``a`` only, program 1 ``a`` then ``b``."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.programs = [lambda x: self.a(x).tanh(), lambda x: self.b(self.a(x)).tanh()]
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        return conditional.switched(index, self.programs, (x,), module=self)
+
+
+def test_every_parameter_of_the_module_gets_a_gradient_zeros_where_the_program_left_it_unused():
+    """As under a capture, where one gradient buffer serves every program: ``b``, unread by
+    program 0, gets zeros (warmup's eager run then counts it as trained, and the graphs
+    deliver it)."""
+    torch.manual_seed(0)
+    model = TwoLinears()
+    x = torch.randn(3, 4, requires_grad=True)
+    model(x, torch.tensor(0)).sum().backward()
+    assert_same(model.b.weight.grad, torch.zeros(4, 4))
+    assert_same(model.b.bias.grad, torch.zeros(4))
+    direct = TwoLinears()
+    direct.load_state_dict(model.state_dict())
+    y = x.detach().clone().requires_grad_()
+    direct.programs[0](y).sum().backward()
+    assert_same(x.grad, y.grad)
+    assert_same(model.a.weight.grad, direct.a.weight.grad)
+
+
+def test_a_tensor_the_program_trains_outside_its_module_is_refused():
+    w = torch.randn(4, 4, requires_grad=True)
+    x = torch.randn(3, 4, requires_grad=True)
+    with pytest.raises(conditional.ConditionalCaptureError, match=re.escape(
+            "switched: program 0 trains a tensor it closes over ((4, 4) float32), whose gradient the node would "
+            "lose: pass it as an input, or its module as module=")):
+        conditional.switched(torch.tensor(0), [lambda t: t @ w], (x,))
+    outside = x * 2  # an activation made outside the node, read from within
+    with pytest.raises(conditional.ConditionalCaptureError, match=r"switched: program 1 trains a tensor it closes"):
+        conditional.switched(torch.tensor(1), [lambda t: t, lambda t: t + outside], (x,))
+
+
+def test_a_second_backward_is_refused_and_te_graphs_retained_backward_takes_it():
+    torch.manual_seed(0)
+    model = TwoLinears()
+    x = torch.randn(3, 4, requires_grad=True)
+    loss = model(x, torch.tensor(1)).sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match=r"switched: its backward ran a second time"):
+        loss.backward()
+    # te_graph's eager replay with retain_graph_in_backward: two backwards, as the direct program
+    direct = TwoLinears()
+    direct.load_state_dict(model.state_dict())
+    graphed = te_graph.make_graphed_callables(model, (x.detach().clone().requires_grad_(), torch.tensor(1)),
+                                              eager_replay=True, retain_graph_in_backward=True)
+    model.zero_grad(set_to_none=True)
+    for net, call in ((model, graphed), (direct, None)):
+        y = x.detach().clone().requires_grad_()
+        out = call(y, torch.tensor(1)) if call else direct.programs[1](y)
+        out.sum().backward(retain_graph=True)
+        out.sum().backward()
+        net.grads = [y.grad] + [p.grad for p in net.parameters()]
+    assert_same(model.grads, direct.grads)

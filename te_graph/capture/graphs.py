@@ -23,7 +23,7 @@ from ..planning.buffers import TensorMeta
 from ..planning.schedule import FORWARD, WGRAD, Step
 from ..records import CapturedGraph, GraphPlan, GraphSpec, WarmupRecord
 from . import host_sync
-from .conditional.runtime import capturing_into
+from .conditional.runtime import backward_retaining, capturing_into
 from .recompute_rng import NO_SYNC, RecomputeRNG, TrackerSync
 from .session import CaptureOptions, CaptureSession
 from .passes import grad_mode, precision_context
@@ -208,7 +208,8 @@ def _capture_backward(spec: GraphSpec, forward: _Forward, grad_outputs: tuple, p
     with grads_redirected([t for t in inputs if t.requires_grad], stand, param_grads.buffers):
         with capturing(spec.name, graph, mempool, recompute.backward_generators, mode):
             if differentiable:
-                torch.autograd.backward(differentiable, grads, retain_graph=spec.retain_graph)
+                with backward_retaining(spec.retain_graph):
+                    torch.autograd.backward(differentiable, grads, retain_graph=spec.retain_graph)
         grad_inputs = tuple(t.grad if t.requires_grad else None for t in inputs)
         for p, b in zip(stand, param_grads.buffers):
             if p.grad is not b:

@@ -10,6 +10,7 @@ from typing import Any, Callable
 import torch
 
 from .. import compat, grads
+from ..capture.conditional.runtime import backward_retaining
 from ..capture.parameters import StandIns
 from ..capture.wgrad import check_grads_as_captured
 from ..extension import SEAM
@@ -143,8 +144,9 @@ class EagerRunner(Runner):
             # through autograd, the others none (as eager).
             wanted = [t for t in self.static_inputs if t.requires_grad]
             params = [p for p, a in zip(self.params, asked) if a]
-            found = iter(torch.autograd.grad(outputs, wanted + params, grads_, retain_graph=self.retains_graph,
-                                             allow_unused=True) if pairs and (wanted or params) else ())
+            with backward_retaining(self.retains_graph):
+                found = iter(torch.autograd.grad(outputs, wanted + params, grads_, retain_graph=self.retains_graph,
+                                                 allow_unused=True) if pairs and (wanted or params) else ())
             input_grads = tuple(next(found, None) if t.requires_grad else None for t in self.static_inputs)
             self._after_backward()
             self._reused()
@@ -155,7 +157,8 @@ class EagerRunner(Runner):
         with grads_redirected(self.spec.grad_inputs + tuple(stand_ins)), \
                 invocation.route.installed() if stand_ins else contextlib.nullcontext():
             if pairs:
-                torch.autograd.backward(outputs, grads_, retain_graph=self.retains_graph)
+                with backward_retaining(self.retains_graph):
+                    torch.autograd.backward(outputs, grads_, retain_graph=self.retains_graph)
             self._after_backward()
             if invocation.hooks_seen != OBSERVED and asked is IN_GRAPH:
                 after_in_graph(self)

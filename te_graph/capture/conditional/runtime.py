@@ -21,7 +21,7 @@ from ...resources import RESOURCES
 from . import driver
 
 __all__ = ["DeviceRuntime", "runtime", "prepare", "teardown", "route_to_pool", "routing_available",
-           "capturing_into", "capture_pool"]
+           "capturing_into", "capture_pool", "backward_retaining", "retains_graph"]
 
 _lock = threading.Lock()
 _runtimes: "weakref.WeakSet[DeviceRuntime]" = weakref.WeakSet()
@@ -196,3 +196,29 @@ def capture_pool() -> Any:
         return current().pool()
     except RuntimeError:
         return None
+
+
+# -- whether the backward under way keeps its graph --------------------------------------------------
+# torch tells a custom autograd Function's backward nothing of retain_graph; a switched node
+# keeps its programs' graphs for a second backward only where te_graph runs one that retains
+# (``retain_graph_in_backward``): its capture and its eager replay say so here. Process-wide:
+# the backward runs on autograd's worker thread.
+_retaining = [0]
+
+
+@contextlib.contextmanager
+def backward_retaining(retain: bool) -> Iterator[None]:
+    """While a backward that keeps its graph (``retain``) runs: :func:`retains_graph` is True."""
+    if not retain:
+        yield
+        return
+    _retaining[0] += 1
+    try:
+        yield
+    finally:
+        _retaining[0] -= 1
+
+
+def retains_graph() -> bool:
+    """Whether te_graph runs a backward that keeps its graph now (:func:`backward_retaining`)."""
+    return _retaining[0] > 0

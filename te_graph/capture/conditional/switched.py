@@ -4,17 +4,20 @@ Under a CUDA graph capture, ``switched(index, programs, inputs)`` captures progr
 body ``k`` of a SWITCH node, and its backward into body ``k`` of a second SWITCH node in the
 backward's capture, on the same index tensor: at each replay the GPU runs program ``index``
 and then its backward, and no host waits. Outside a capture the host reads ``index`` (a sync)
-and runs that program itself: the eager mirror, bitwise the same program.
+and runs that program through the same autograd node (its own leaves, the same aliases, the
+same gradients handed back), without the SWITCH nodes: the eager mirror, bitwise the same.
 
 What it takes: programs that return tensors of the same shapes and dtypes (one output buffer
 serves every body), inputs as tensors, and the module whose parameters the programs train
-(``module``): inside the bodies its parameters are aliases made for the node (the same
-memory and Python attributes, Megatron's ``main_grad`` included), so that autograd's
-accumulation of the real ones stays on the capturing stream, where the node hands their
-gradients over; the bodies run on a stream of their own, and autograd would otherwise join
-the two captures by an event (torch 2.11 then crashes in the driver). Everything a body may
-not hold (random numbers, collectives, events, host waits: see ``nodes``) stays out of the
-programs.
+(``module``): inside the node its parameters are aliases made for it (the same memory and
+Python attributes, Megatron's ``main_grad`` included), whose gradients the node hands to the
+real ones; every one gets a gradient, zeros where the program that ran left it unused. Under
+a capture this keeps autograd's accumulation of the real parameters on the capturing stream:
+the bodies run on a stream of their own, and autograd would otherwise join the two captures
+by an event (torch 2.11 then crashes in the driver). A program that trains anything else (a
+tensor requiring grad it closes over) is refused: its gradient would be lost. Everything a
+body may not hold (random numbers, collectives, events, host waits: see ``nodes``) stays out
+of the programs.
 """
 from __future__ import annotations
 
@@ -28,27 +31,27 @@ from checkpointing.recompute_state import cuda_stream_capturing
 from ... import compat
 from .guards import ConditionalCaptureError
 from .nodes import switch
-from .runtime import capture_pool, prepare, runtime
+from .runtime import capture_pool, prepare, retains_graph, runtime
 
 __all__ = ["switched"]
 
 Outputs = Union[torch.Tensor, tuple]
+_INDEX_DTYPES = (torch.int64, torch.int32, torch.uint8)  # what a SWITCH node reads
 
 
 def switched(index: torch.Tensor, programs: Sequence[Callable[..., Outputs]], inputs: Sequence[torch.Tensor], *,
              module: Optional[torch.nn.Module] = None, pool: Any = None) -> Outputs:
     """``programs[index](*inputs)``, differentiable in ``inputs`` and in the trainable parameters
-    of ``module`` (those the programs read; other tensors requiring grad that the programs
-    close over get no gradient under a capture, so pass them as inputs). Under a capture
-    each program is captured into a body of a SWITCH node (forward) and its backward into a
-    body of another (backward), chosen at each replay from ``index`` on the GPU; where ``index``
-    is out of range no body runs and the outputs keep their last values, so keep it in range.
-    Outside a capture ``index`` is read on the host, which refuses one out of range, and the
-    device is prepared for conditional nodes (``prepare``) where it is not yet.
-    ``pool``: the capture's memory pool (default: the pool of the te_graph capture under way,
-    else, where torch has it, of torch's current capture). Under a capture every parameter of
-    ``module`` gets a gradient from the node, zeros where the program that ran left it unused
-    (eager code leaves such a ``.grad`` as it was): let every program read the same ones."""
+    of ``module``, each of which gets a gradient (zeros where the program left it unused).
+    Under a capture each program is captured into a body of a SWITCH node (forward) and its
+    backward into a body of another (backward), chosen at each replay from ``index`` on the
+    GPU; where ``index`` is out of range no body runs: the outputs keep their last values and
+    the gradients are undefined, so keep it in range. Outside a capture ``index`` is read on
+    the host, which refuses one out of range, and the device is prepared for conditional
+    nodes (``prepare``) where it is not yet. ``pool``: the capture's memory pool (default: the
+    pool of the te_graph capture under way, else, where torch has it, of torch's current
+    capture). The node takes one backward, or more inside te_graph's
+    ``retain_graph_in_backward``."""
     programs, inputs = tuple(programs), tuple(inputs)
     if not programs:
         raise ValueError("switched: give at least one program")
@@ -59,9 +62,15 @@ def switched(index: torch.Tensor, programs: Sequence[Callable[..., Outputs]], in
         raise TypeError(f"switched: inputs must be tensors, got {', '.join(bad)}; close over the rest")
     if module is not None and not isinstance(module, torch.nn.Module):
         raise TypeError(f"switched: module must be a torch.nn.Module, not {type(module).__name__}")
-    if not isinstance(index, torch.Tensor) or index.numel() != 1 or index.dtype.is_floating_point:
-        raise TypeError("switched: index must be a tensor of one integer element")
-    if not cuda_stream_capturing():
+    if not isinstance(index, torch.Tensor) or index.numel() != 1 or index.dtype not in _INDEX_DTYPES:
+        raise TypeError("switched: index must be a tensor of one int64, int32 or uint8 element")
+    chosen = None
+    if cuda_stream_capturing():
+        pool = pool if pool is not None else capture_pool()
+        if pool is None:
+            raise ConditionalCaptureError(
+                "switched: pass pool=, the memory pool of the capture under way (torch.cuda.graph(g, pool=pool))")
+    else:
         chosen = int(index)
         if not 0 <= chosen < len(programs):
             raise IndexError(f"switched: index {chosen} is out of range for {len(programs)} programs "
@@ -69,89 +78,137 @@ def switched(index: torch.Tensor, programs: Sequence[Callable[..., Outputs]], in
         if index.device.type == "cuda" and not runtime(index.device.index).ready():
             with contextlib.suppress(ImportError):  # without cuda-bindings a capture names the extra
                 prepare(index.device.index)  # here, outside any capture, for the capture to come
-        return programs[chosen](*inputs)
-    pool = pool if pool is not None else capture_pool()
-    if pool is None:
-        raise ConditionalCaptureError(
-            "switched: pass pool=, the memory pool of the capture under way (torch.cuda.graph(g, pool=pool))")
     slots = _trained_slots(module)
-    state = _State(index, programs, pool, len(inputs), slots)
+    state = _State(index, programs, pool, len(inputs), slots, chosen)
     outputs = _Switched.apply(state, *inputs, *_unique(p for _, _, p in slots))
     return outputs if state.tupled else outputs[0]
 
 
 class _State:
-    """What the forward's node leaves for the backward's: each body's leaves and outputs."""
+    """What the forward leaves for the backward: per program run or captured, its leaves and
+    outputs (``bodies``); ``chosen``: the program the host chose (None: under a capture)."""
 
-    def __init__(self, index: torch.Tensor, programs: tuple, pool: Any, inputs: int, slots: list):
+    def __init__(self, index: torch.Tensor, programs: tuple, pool: Any, inputs: int, slots: list,
+                 chosen: Optional[int]):
         self.index, self.programs, self.pool, self.inputs = index, programs, pool, inputs
         self.slots = slots  # (module, name, parameter) of each trainable parameter slot
-        self.bodies: Optional[list] = None  # per body: (its leaves, its outputs)
-        self.tupled = False
+        self.chosen = chosen
+        self.bodies: Optional[dict] = None
+        self.tupled: Optional[bool] = None
 
 
 class _Switched(torch.autograd.Function):
-    """The two SWITCH nodes. Each forward body runs its program on leaves of its own (detached
-    inputs) with grad enabled, so that its autograd graph is whole and separate; its outputs
-    are copied into buffers every body shares. The backward's body ``k`` asks that graph for
-    the gradients of the leaves and the parameters, into buffers every body shares."""
+    """The node. Each program runs on leaves of its own (detached inputs) and on the aliases,
+    with grad enabled, so that its autograd graph is whole and separate; under a capture its
+    outputs are copied into buffers every body shares. The backward asks that graph for the
+    gradients of the leaves and the aliases (under a capture in body ``k`` of the second
+    node, into buffers every body shares)."""
 
     @staticmethod
     def forward(ctx: Any, state: _State, *tensors: torch.Tensor) -> tuple:
         inputs, params = tensors[:state.inputs], tensors[state.inputs:]
         aliases = tuple(_alias(p) for p in params)
         ctx.state, ctx.aliases = state, aliases
-        shared: Optional[tuple] = None
-        bodies = []
-        node = switch(state.index, len(state.programs), pool=state.pool)
-        with node, _installed(state.slots, params, aliases):
-            for k, body in enumerate(node):
-                with body, torch.enable_grad():
-                    leaves = tuple(t.detach().requires_grad_(t.requires_grad) for t in inputs)
-                    result = state.programs[k](*leaves)
-                    state.tupled = isinstance(result, tuple)
-                    outputs = result if state.tupled else (result,)
-                    if shared is None:  # in the pool, like any of the body's allocations
-                        shared = tuple(torch.empty_like(o, requires_grad=False) for o in outputs)
-                    _check_like(k, outputs, shared)
-                    for buffer, output in zip(shared, outputs):
-                        buffer.copy_(output.detach())
-                bodies.append((leaves, outputs))
-        state.bodies = bodies
-        ctx.mark_non_differentiable(*(b for b, o in zip(shared, bodies[0][1]) if not o.requires_grad))
-        return shared
+        own = {id(t) for t in aliases}
+        with _installed(state.slots, params, aliases):
+            if state.chosen is not None:
+                state.bodies = {state.chosen: _run(state, state.chosen, inputs, own)}
+                outputs = tuple(o.detach() for o in state.bodies[state.chosen][1])
+                differentiable = [o.requires_grad for o in state.bodies[state.chosen][1]]
+            else:
+                state.bodies, outputs = {}, None
+                node = switch(state.index, len(state.programs), pool=state.pool)
+                with node:
+                    for k, body in enumerate(node):
+                        with body:
+                            state.bodies[k] = _run(state, k, inputs, own)
+                            produced = state.bodies[k][1]
+                            if outputs is None:  # in the pool, like any of the body's allocations
+                                outputs = tuple(torch.empty_like(o, requires_grad=False) for o in produced)
+                            _check_like(k, produced, outputs)
+                            for buffer, output in zip(outputs, produced):
+                                buffer.copy_(output.detach())
+                differentiable = [any(b[1][i].requires_grad for b in state.bodies.values())
+                                  for i in range(len(outputs))]
+        ctx.mark_non_differentiable(*(o for o, d in zip(outputs, differentiable) if not d))
+        return outputs
 
     @staticmethod
     def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> tuple:
         state, aliases = ctx.state, ctx.aliases
-        bodies, state.bodies = state.bodies, None  # each body's graph is freed with this node
+        bodies = state.bodies
         if bodies is None:
-            raise RuntimeError("switched: its backward ran twice; a conditional node keeps no graph for a "
-                               "second backward (retain_graph)")
+            raise RuntimeError("switched: its backward ran a second time; it keeps its programs' graphs for "
+                               "another only inside te_graph's retain_graph_in_backward")
+        retain = retains_graph()
+        if not retain:
+            state.bodies = None  # each program's graph goes with this backward
         wanted = ctx.needs_input_grad[1:]
+        if state.chosen is not None:
+            leaves, outputs = bodies[state.chosen]
+            return (None, *_grads(leaves + aliases, outputs, grads, wanted, retain))
         sources = tuple(bodies[0][0]) + aliases
         shared = tuple(torch.empty_like(t) if w else None for t, w in zip(sources, wanted))
         with switch(state.index, len(state.programs), pool=state.pool) as node:
-            for (leaves, outputs), body in zip(bodies, node):
+            for k, body in enumerate(node):
+                leaves, outputs = bodies[k]
                 with body:
-                    _body_backward(leaves + aliases, outputs, grads, wanted, shared)
+                    found = _grads(leaves + aliases, outputs, grads, wanted, retain)
+                    for buffer, grad in zip(shared, found):
+                        if buffer is not None:
+                            buffer.copy_(grad)
         return (None, *shared)
 
 
-def _body_backward(sources: tuple, outputs: tuple, grads: tuple, wanted: tuple, shared: tuple) -> None:
-    """One body's backward: the gradients of ``sources`` (where wanted) into ``shared``."""
+def _run(state: _State, k: int, inputs: tuple, own: set) -> tuple:
+    """Program ``k`` on leaves of its own, with grad enabled: (its leaves, its outputs)."""
+    with torch.enable_grad():
+        leaves = tuple(t.detach().requires_grad_(t.requires_grad) for t in inputs)
+        result = state.programs[k](*leaves)
+    tupled = isinstance(result, tuple)
+    if state.tupled is not None and tupled != state.tupled:
+        raise ConditionalCaptureError(f"switched: program {k} returns {'a tuple' if tupled else 'a tensor'}, an "
+                                      "earlier one the other; every program must return the same")
+    state.tupled = tupled
+    outputs = result if tupled else (result,)
+    if any(not isinstance(o, torch.Tensor) for o in outputs):
+        raise TypeError(f"switched: program {k} must return tensors")
+    _check_trains_only_its_own(k, outputs, own | {id(t) for t in leaves})
+    return leaves, outputs
+
+
+def _grads(sources: tuple, outputs: tuple, grads: tuple, wanted: tuple, retain: bool) -> list:
+    """The gradients of ``sources`` where wanted (zeros where the program left one unused),
+    None elsewhere."""
     pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad and g is not None]
     asked = [s for s, w in zip(sources, wanted) if w and s.requires_grad]
-    found = iter(torch.autograd.grad([o for o, _ in pairs], asked, [g for _, g in pairs], allow_unused=True)
-                 if pairs and asked else [None] * len(asked))
-    for source, w, buffer in zip(sources, wanted, shared):
-        if not w:
+    found = iter(torch.autograd.grad([o for o, _ in pairs], asked, [g for _, g in pairs], allow_unused=True,
+                                     retain_graph=retain) if pairs and asked else [None] * len(asked))
+    result = []
+    for source, w in zip(sources, wanted):
+        grad = next(found) if w and source.requires_grad else None
+        result.append(None if not w else torch.zeros_like(source) if grad is None else grad)
+    return result
+
+
+def _check_trains_only_its_own(k: int, outputs: tuple, own: set) -> None:
+    """Refuse a program whose outputs' autograd graph reaches a leaf other than its own leaves
+    and aliases (a tensor requiring grad it closes over, a parameter of another module, an
+    activation made outside): the node asks only for its own, so that gradient would be lost."""
+    seen: set = set()
+    stack = [o.grad_fn for o in outputs if o.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
             continue
-        grad = next(found) if source.requires_grad else None
-        if grad is None:
-            buffer.zero_()
-        else:
-            buffer.copy_(grad)
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if variable is not None and id(variable) not in own:
+            raise ConditionalCaptureError(
+                f"switched: program {k} trains a tensor it closes over ({tuple(variable.shape)} "
+                f"{str(variable.dtype).replace('torch.', '')}), whose gradient the node would lose: pass it as an "
+                "input, or its module as module=")
+        stack.extend(next_node for next_node, _ in node.next_functions)
 
 
 def _trained_slots(module: Optional[torch.nn.Module]) -> list:
@@ -179,7 +236,7 @@ def _alias(param: torch.Tensor) -> torch.nn.Parameter:
 
 @contextlib.contextmanager
 def _installed(slots: list, params: tuple, aliases: tuple) -> Iterator[None]:
-    """The aliases in the parameters' slots while the bodies are captured."""
+    """The aliases in the parameters' slots while the programs run."""
     of = {id(p): a for p, a in zip(params, aliases)}
     try:
         for sub, name, p in slots:
@@ -193,9 +250,9 @@ def _installed(slots: list, params: tuple, aliases: tuple) -> Iterator[None]:
 def _check_like(k: int, outputs: tuple, shared: tuple) -> None:
     """Every program returns tensors of one structure, shapes and dtypes: the bodies share
     their output buffers."""
-    if len(outputs) != len(shared) or any(not isinstance(o, torch.Tensor) for o in outputs):
-        raise ConditionalCaptureError(f"switched: program {k} returns {len(outputs)} values, program 0 "
-                                      f"{len(shared)} tensors; every program must return the same tensors")
+    if len(outputs) != len(shared):
+        raise ConditionalCaptureError(f"switched: program {k} returns {len(outputs)} tensors, program 0 "
+                                      f"{len(shared)}; every program must return the same tensors")
     for i, (o, s) in enumerate(zip(outputs, shared)):
         if o.shape != s.shape or o.dtype != s.dtype or o.device != s.device:
             raise ConditionalCaptureError(
