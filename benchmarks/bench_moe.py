@@ -22,7 +22,8 @@ dispatcher, aux-loss load balancing), trained through Megatron's schedule and DD
 * ``te_graph switch``: dropless, each layer graphed whole (as drop-and-pad is), the capacity
   chosen on the GPU by a conditional node over the buckets 1, 1.25, 1.5, 1.75, 2, 2.5 and 3
   times the even share and every token (``te_graph.integrations.megatron.moe_switch``): no host sync and no
-  eager call per layer.
+  eager call per layer. ``te_graph switch recompute``: the node keeps no activations and
+  runs the bucket's experts again in the backward (one bucket's memory, not every bucket's).
 * ``eager drop-pad`` / ``te_graph drop-pad`` / ``TE drop-pad``: drop-and-pad routing at
   capacity factor 1 (tokens beyond an expert's capacity are dropped), graphed whole: the
   reference a dropless graph is measured against, and the share of token assignments it drops.
@@ -68,6 +69,8 @@ ROWS = {
     "te_graph buckets eager overflow": ("te_graph", _PARTIAL + ["--buckets", "1.0,1.25,1.5,2.0", "--overflow", "eager"]),
     "te_graph buckets 4x": ("te_graph", _PARTIAL + ["--buckets", "1.0,1.25,1.5,2.0,3.0,4.0"]),
     "te_graph switch": ("te_graph", ["--buckets", _SWITCH_BUCKETS, "--choose", "device"]),
+    "te_graph switch recompute": ("te_graph", ["--buckets", _SWITCH_BUCKETS, "--choose", "device",
+                                               "--switch-recompute", "1"]),
     "eager drop-pad": ("eager", _DROP_PAD),
     "te_graph drop-pad": ("te_graph", _DROP_PAD),
     "TE drop-pad": ("te", _DROP_PAD),

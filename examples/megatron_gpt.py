@@ -139,6 +139,7 @@ class RunConfig:
     # layer call); "device": a conditional node picks it on the GPU, inside the graph of the
     # whole layer (with an empty --graph-modules; the last capacity holds every token)
     choose: str = "host"
+    switch_recompute: bool = False  # --choose device: the node's backward runs the bucket's program again
     # "eager", "te_graph" (the helper, te_graph's graphs), "te_graph_replay" (te_graph's eager
     # replay), "te" (the helper, Transformer Engine's graphs), "te_graph_step" (the whole step as
     # one graph: te_graph.integrations.megatron.make_graphed_train_step, plain SGD inside it,
@@ -538,7 +539,8 @@ def _graph_dropless(cfg: RunConfig, model: list) -> list:
     tokens *= cfg.micro_batch
     capacities = capacities_for(tokens * cfg.expert_parallel * cfg.expert_tensor_parallel, cfg.topk, cfg.experts,
                                 [float(f) for f in cfg.buckets.split(",")])
-    options = {"choose": "device"} if cfg.choose == "device" else {"overflow": cfg.overflow}
+    options = ({"choose": "device", "recompute": cfg.switch_recompute} if cfg.choose == "device"
+               else {"overflow": cfg.overflow})
     return [d for chunk in model for d in graph_dropless_experts(chunk, capacities, tokens=tokens, span=cfg.moe_span,
                                                                  **options)]
 

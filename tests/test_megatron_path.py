@@ -348,6 +348,8 @@ def test_the_dispatch_in_capacity_graphs_changes_no_bit_of_the_experts_only_grap
 DEVICE_CHOSEN_SETUPS = {
     "bf16": ["--buckets", "1.0,1.25", "--choose", "device"],
     "bf16-permute-fusion": ["--buckets", "1.0,1.25", "--choose", "device", "--permute-fusion", "1"],
+    # The node keeps no activations; its backward runs the bucket's experts again.
+    "bf16-recompute": ["--buckets", "1.0,1.25", "--choose", "device", "--switch-recompute", "1"],
 }
 
 

@@ -100,7 +100,7 @@ def _layers() -> dict:
     eager = MoELayerLike()
     with torch.no_grad():
         eager.router.weight.copy_(torch.eye(E, H))  # expert e's logit: a token's feature e
-    layers = {"eager": eager, "host": MoELayerLike(), "device": MoELayerLike()}
+    layers = {"eager": eager, "host": MoELayerLike(), "device": MoELayerLike(), "recompute": MoELayerLike()}
     for layer in layers.values():
         layer.load_state_dict(eager.state_dict())
     return layers
@@ -139,16 +139,19 @@ def test_each_call_runs_the_bucket_chosen_from_its_counts_and_trains_as_unpadded
                                      eager_replay=True)
     (device,) = graph_dropless_experts(layers["device"], CAPACITIES, tokens=TOKENS, choose="device",
                                        probs_dtype=torch.float64)
+    (recomputed,) = graph_dropless_experts(layers["recompute"], CAPACITIES, tokens=TOKENS, choose="device",
+                                           recompute=True, probs_dtype=torch.float64)
     assert device.capacities == (8, 10, 16) and device.choose == "device"
     for x in _inputs():
         want = _step(layers["eager"], x)
         got = _step(layers["device"], x)
+        assert_same(_step(layers["recompute"], x), got, "the bucket's program run again in the backward")
         for a, b in zip(want[:2] + tuple(want[2]), got[:2] + tuple(got[2])):
             torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
         busiest = int(layers["device"].token_dispatcher.routing_map.sum(dim=0).max())
         if busiest <= max(CAPACITIES):  # the host-chosen graphs serve it too: the same padded program
             assert_same(got, _step(layers["host"], x), f"busiest expert {busiest}: device vs host choice")
-    assert device.calls == {8: 1, 10: 1, 16: 1} and device.eager_calls == 0
+    assert device.calls == recomputed.calls == {8: 1, 10: 1, 16: 1} and device.eager_calls == 0
     assert host.calls == {8: 1, 10: 1} and host.eager_calls == 0
     device.remove()
     assert not {"dispatch", "routed_experts_compute", "combine", "postprocess"} & set(layers["device"].__dict__)
@@ -200,8 +203,14 @@ def test_what_the_device_choice_cannot_serve_is_refused_before_anything_changes(
     assert not {"dispatch", "routed_experts_compute"} & set(layer.__dict__)
 
 
-def test_an_unknown_choice_is_refused():
+def test_an_unknown_choice_and_recompute_without_the_device_choice_are_refused():
     layer = MoELayerLike()
     with refused(ValueError, re.escape("te_graph.graph_dropless_experts: choose='gpu'; use 'host' or 'device'."),
                  layer):
         graph_dropless_experts(layer, CAPACITIES, tokens=TOKENS, choose="gpu")
+    with refused(ValueError, re.escape(
+            "te_graph.graph_dropless_experts: recompute=True runs the capacity's program again in the backward of "
+            "the node choose='device' makes; the host-chosen graphs do not take it."), layer):
+        graph_dropless_experts(layer, CAPACITIES, tokens=TOKENS, recompute=True)
+    with refused(TypeError, re.escape("te_graph.graph_dropless_experts: recompute must be a bool, not str."), layer):
+        graph_dropless_experts(layer, CAPACITIES, tokens=TOKENS, choose="device", recompute="no")

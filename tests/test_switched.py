@@ -29,8 +29,9 @@ class DroplessMoE(nn.Module):
     the experts' two GEMMs on that layout, the real rows gathered back and combined, then
     dropout (outside the node)."""
 
-    def __init__(self, factors: tuple = (1.1, 1.25)):
+    def __init__(self, factors: tuple = (1.1, 1.25), recompute: bool = False):
         super().__init__()
+        self.recompute = recompute
         self.router = nn.Linear(HIDDEN, EXPERTS, bias=False)
         self.experts = nn.ParameterDict({"w1": torch.randn(EXPERTS, HIDDEN, FFN) / math.sqrt(HIDDEN),
                                          "w2": torch.randn(EXPERTS, FFN, HIDDEN) / math.sqrt(FFN)})
@@ -48,7 +49,8 @@ class DroplessMoE(nn.Module):
         bucket = torch.searchsorted(self.bounds, counts.max().view(1)).view(())
         programs = [functools.partial(self.bucket, c) for c in self.capacities]
         rows = conditional.switched(bucket, programs, (x.index_select(0, token[order]), probs.reshape(-1)[order],
-                                                       counts), module=self.experts)
+                                                       counts), module=self.experts,
+                                    recompute=self.recompute)
         return self.dropout(torch.zeros_like(x).index_add(0, token[order], rows))
 
     def bucket(self, capacity: int, tokens: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -83,9 +85,9 @@ def batches(model: DroplessMoE, steps: int = 9) -> list:
     return xs
 
 
-def train(mode: str, device: str) -> tuple[Trace, list]:
+def train(mode: str, device: str, recompute: bool = False) -> tuple[Trace, list]:
     torch.manual_seed(0)
-    model = DroplessMoE().to(device)
+    model = DroplessMoE(recompute=recompute).to(device)
     xs = batches(model)
     buckets = [bucket_of(model, x) for x in xs[:1]]
     layer = model
@@ -107,14 +109,17 @@ def train(mode: str, device: str) -> tuple[Trace, list]:
     return trace, buckets
 
 
+@pytest.mark.parametrize("recompute", [False, True], ids=["saved", "recomputed"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_a_bucket_chosen_on_the_device_trains_as_eager(device):
+def test_a_bucket_chosen_on_the_device_trains_as_eager(device, recompute):
+    """With ``recompute`` too: the node's backward runs the bucket's program again, bitwise
+    as the saved activations."""
     want, buckets = train(EAGER, device)
     assert set(buckets) == {0, 1, 2}, buckets  # every bucket, the last (every token to one expert) included
-    for mode in GRAPHED[device]:
-        got, got_buckets = train(mode, device)
+    for mode in (EAGER,) * recompute + GRAPHED[device]:
+        got, got_buckets = train(mode, device, recompute)
         assert got_buckets == buckets
-        assert_same(got, want, f"{mode} against eager")
+        assert_same(got, want, f"{mode}{', recomputed' if recompute else ''} against eager")
 
 
 @pytest.mark.gpu
@@ -213,6 +218,24 @@ def test_a_tensor_the_program_trains_outside_its_module_is_refused():
     outside = x * 2  # an activation made outside the node, read from within
     with pytest.raises(conditional.ConditionalCaptureError, match=r"switched: program 1 trains a tensor it closes"):
         conditional.switched(torch.tensor(1), [lambda t: t, lambda t: t + outside], (x,))
+
+
+def test_a_recomputed_node_takes_two_backwards():
+    torch.manual_seed(0)
+    model, direct = TwoLinears(), TwoLinears()
+    direct.load_state_dict(model.state_dict())
+    x = torch.randn(3, 4)
+    for net, run in ((model, lambda y: conditional.switched(torch.tensor(1), model.programs, (y,), module=model,
+                                                              recompute=True)),
+                     (direct, direct.programs[1])):
+        y = x.clone().requires_grad_()
+        out = run(y)
+        out.sum().backward(retain_graph=True)
+        out.square().sum().backward()
+        net.grads = [y.grad] + [p.grad for p in net.parameters()]
+    assert_same(model.grads, direct.grads)
+    with pytest.raises(TypeError, match="switched: recompute must be a bool, not str"):
+        conditional.switched(torch.tensor(0), model.programs, (x,), module=model, recompute="yes")
 
 
 def test_a_second_backward_is_refused_and_te_graphs_retained_backward_takes_it():

@@ -40,7 +40,7 @@ _INDEX_DTYPES = (torch.int64, torch.int32, torch.uint8)  # what a SWITCH node re
 
 
 def switched(index: torch.Tensor, programs: Sequence[Callable[..., Outputs]], inputs: Sequence[torch.Tensor], *,
-             module: Optional[torch.nn.Module] = None, pool: Any = None) -> Outputs:
+             module: Optional[torch.nn.Module] = None, recompute: bool = False, pool: Any = None) -> Outputs:
     """``programs[index](*inputs)``, differentiable in ``inputs`` and in the trainable parameters
     of ``module``, each of which gets a gradient (zeros where the program left it unused).
     Under a capture each program is captured into a body of a SWITCH node (forward) and its
@@ -51,7 +51,10 @@ def switched(index: torch.Tensor, programs: Sequence[Callable[..., Outputs]], in
     nodes (``prepare``) where it is not yet. ``pool``: the capture's memory pool (default: the
     pool of the te_graph capture under way, else, where torch has it, of torch's current
     capture). The node takes one backward, or more inside te_graph's
-    ``retain_graph_in_backward``."""
+    ``retain_graph_in_backward``. ``recompute``: the forward keeps no activations, only its
+    inputs, and the backward runs the program again first: the pool then holds one body's
+    temporaries at a time instead of every body's activations (the programs draw no random
+    numbers, so the run again is the same)."""
     programs, inputs = tuple(programs), tuple(inputs)
     if not programs:
         raise ValueError("switched: give at least one program")
@@ -60,6 +63,8 @@ def switched(index: torch.Tensor, programs: Sequence[Callable[..., Outputs]], in
     bad = [type(t).__name__ for t in inputs if not isinstance(t, torch.Tensor)]
     if bad:
         raise TypeError(f"switched: inputs must be tensors, got {', '.join(bad)}; close over the rest")
+    if not isinstance(recompute, bool):
+        raise TypeError(f"switched: recompute must be a bool, not {type(recompute).__name__}")
     if module is not None and not isinstance(module, torch.nn.Module):
         raise TypeError(f"switched: module must be a torch.nn.Module, not {type(module).__name__}")
     if not isinstance(index, torch.Tensor) or index.numel() != 1 or index.dtype not in _INDEX_DTYPES:
@@ -79,7 +84,7 @@ def switched(index: torch.Tensor, programs: Sequence[Callable[..., Outputs]], in
             with contextlib.suppress(ImportError):  # without cuda-bindings a capture names the extra
                 prepare(index.device.index)  # here, outside any capture, for the capture to come
     slots = _trained_slots(module)
-    state = _State(index, programs, pool, len(inputs), slots, chosen)
+    state = _State(index, programs, pool, len(inputs), slots, chosen, recompute)
     outputs = _Switched.apply(state, *inputs, *_unique(p for _, _, p in slots))
     return outputs if state.tupled else outputs[0]
 
@@ -89,10 +94,11 @@ class _State:
     outputs (``bodies``); ``chosen``: the program the host chose (None: under a capture)."""
 
     def __init__(self, index: torch.Tensor, programs: tuple, pool: Any, inputs: int, slots: list,
-                 chosen: Optional[int]):
+                 chosen: Optional[int], recompute: bool = False):
         self.index, self.programs, self.pool, self.inputs = index, programs, pool, inputs
         self.slots = slots  # (module, name, parameter) of each trainable parameter slot
         self.chosen = chosen
+        self.recompute = recompute
         self.bodies: Optional[dict] = None
         self.tupled: Optional[bool] = None
 
@@ -102,44 +108,52 @@ class _Switched(torch.autograd.Function):
     with grad enabled, so that its autograd graph is whole and separate; under a capture its
     outputs are copied into buffers every body shares. The backward asks that graph for the
     gradients of the leaves and the aliases (under a capture in body ``k`` of the second
-    node, into buffers every body shares)."""
+    node, into buffers every body shares). With ``recompute`` the forward runs without grad
+    and keeps nothing but its inputs; the backward runs the program again with grad first."""
 
     @staticmethod
     def forward(ctx: Any, state: _State, *tensors: torch.Tensor) -> tuple:
         inputs, params = tensors[:state.inputs], tensors[state.inputs:]
         aliases = tuple(_alias(p) for p in params)
-        ctx.state, ctx.aliases = state, aliases
+        ctx.state, ctx.params, ctx.aliases = state, params, aliases
+        if state.recompute:
+            ctx.save_for_backward(*inputs)
         own = {id(t) for t in aliases}
         with _installed(state.slots, params, aliases):
             if state.chosen is not None:
-                state.bodies = {state.chosen: _run(state, state.chosen, inputs, own)}
-                outputs = tuple(o.detach() for o in state.bodies[state.chosen][1])
-                differentiable = [o.requires_grad for o in state.bodies[state.chosen][1]]
+                leaves, produced = _run(state, state.chosen, inputs, own)
+                outputs = tuple(o.detach() for o in produced)
+                state.bodies = None if state.recompute else {state.chosen: (leaves, produced)}
+                differentiable = [_differentiable(state, o) for o in produced]
             else:
-                state.bodies, outputs = {}, None
+                kept, outputs, differentiable = {}, None, None
                 node = switch(state.index, len(state.programs), pool=state.pool)
                 with node:
                     for k, body in enumerate(node):
                         with body:
-                            state.bodies[k] = _run(state, k, inputs, own)
-                            produced = state.bodies[k][1]
+                            leaves, produced = _run(state, k, inputs, own)
                             if outputs is None:  # in the pool, like any of the body's allocations
                                 outputs = tuple(torch.empty_like(o, requires_grad=False) for o in produced)
+                                differentiable = [False] * len(outputs)
                             _check_like(k, produced, outputs)
-                            for buffer, output in zip(outputs, produced):
+                            for i, (buffer, output) in enumerate(zip(outputs, produced)):
                                 buffer.copy_(output.detach())
-                differentiable = [any(b[1][i].requires_grad for b in state.bodies.values())
-                                  for i in range(len(outputs))]
+                                differentiable[i] = differentiable[i] or _differentiable(state, output)
+                            if not state.recompute:
+                                kept[k] = (leaves, produced)
+                state.bodies = None if state.recompute else kept
         ctx.mark_non_differentiable(*(o for o, d in zip(outputs, differentiable) if not d))
         return outputs
 
     @staticmethod
     def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> tuple:
         state, aliases = ctx.state, ctx.aliases
+        if state.recompute:
+            return (None, *_recomputed_backward(ctx, grads))
         bodies = state.bodies
         if bodies is None:
             raise RuntimeError("switched: its backward ran a second time; it keeps its programs' graphs for "
-                               "another only inside te_graph's retain_graph_in_backward")
+                               "another only inside te_graph's retain_graph_in_backward (or with recompute=True)")
         retain = retains_graph()
         if not retain:
             state.bodies = None  # each program's graph goes with this backward
@@ -153,17 +167,49 @@ class _Switched(torch.autograd.Function):
             for k, body in enumerate(node):
                 leaves, outputs = bodies[k]
                 with body:
-                    found = _grads(leaves + aliases, outputs, grads, wanted, retain)
-                    for buffer, grad in zip(shared, found):
-                        if buffer is not None:
-                            buffer.copy_(grad)
+                    _into(shared, _grads(leaves + aliases, outputs, grads, wanted, retain))
         return (None, *shared)
 
 
-def _run(state: _State, k: int, inputs: tuple, own: set) -> tuple:
-    """Program ``k`` on leaves of its own, with grad enabled: (its leaves, its outputs)."""
-    with torch.enable_grad():
-        leaves = tuple(t.detach().requires_grad_(t.requires_grad) for t in inputs)
+def _recomputed_backward(ctx: Any, grads: tuple) -> list:
+    """The backward with ``recompute``: program ``k`` run again with grad, on the inputs the
+    forward kept, then asked for its gradients (under a capture, in body ``k``)."""
+    state, aliases, inputs = ctx.state, ctx.aliases, ctx.saved_tensors
+    wanted = ctx.needs_input_grad[1:]
+    own = {id(t) for t in aliases}
+    with _installed(state.slots, ctx.params, aliases):
+        if state.chosen is not None:
+            leaves, outputs = _run(state, state.chosen, inputs, own, grad=True)
+            return _grads(leaves + aliases, outputs, grads, wanted, False)
+        sources = tuple(inputs) + aliases
+        shared = [torch.empty_like(t) if w else None for t, w in zip(sources, wanted)]
+        with switch(state.index, len(state.programs), pool=state.pool) as node:
+            for k, body in enumerate(node):
+                with body:
+                    leaves, outputs = _run(state, k, inputs, own, grad=True)
+                    _into(shared, _grads(leaves + aliases, outputs, grads, wanted, False))
+        return shared
+
+
+def _into(shared: Sequence[Optional[torch.Tensor]], found: list) -> None:
+    """One body's gradients into the buffers every body shares."""
+    for buffer, grad in zip(shared, found):
+        if buffer is not None:
+            buffer.copy_(grad)
+
+
+def _differentiable(state: _State, output: torch.Tensor) -> bool:
+    """Whether an output takes a gradient: it requires grad, or, run without grad for
+    ``recompute``, it is of a floating or complex dtype."""
+    return output.requires_grad or (state.recompute and (output.is_floating_point() or output.is_complex()))
+
+
+def _run(state: _State, k: int, inputs: tuple, own: set, grad: Optional[bool] = None) -> tuple:
+    """Program ``k`` on leaves of its own, with grad enabled (``grad``; by default unless
+    ``recompute``, whose backward runs it again with grad): (its leaves, its outputs)."""
+    grad = not state.recompute if grad is None else grad
+    with torch.enable_grad() if grad else torch.no_grad():
+        leaves = tuple(t.detach().requires_grad_(t.requires_grad and grad) for t in inputs)
         result = state.programs[k](*leaves)
     tupled = isinstance(result, tuple)
     if state.tupled is not None and tupled != state.tupled:
@@ -173,7 +219,8 @@ def _run(state: _State, k: int, inputs: tuple, own: set) -> tuple:
     outputs = result if tupled else (result,)
     if any(not isinstance(o, torch.Tensor) for o in outputs):
         raise TypeError(f"switched: program {k} must return tensors")
-    _check_trains_only_its_own(k, outputs, own | {id(t) for t in leaves})
+    if grad:
+        _check_trains_only_its_own(k, outputs, own | {id(t) for t in leaves})
     return leaves, outputs
 
 

@@ -53,6 +53,7 @@ def graph_dropless_experts(
     probs_dtype: Optional[torch.dtype] = None,
     overflow: str = "padded",
     choose: str = "host",
+    recompute: bool = False,
     eager_replay: Optional[bool] = None,
     **graph_options: Any,
 ) -> list[DroplessExperts]:
@@ -84,12 +85,21 @@ def graph_dropless_experts(
     ``tokens`` as the last capacity (nothing overflows), for the layer to be graphed whole
     after this call (Megatron's helper with an empty ``cuda_graph_modules``). It takes the
     dispatch span, one expert-parallel rank and no FP8; ``overflow``, ``eager_replay`` and
-    ``graph_options`` belong to the layer's graphs then and are refused here.
+    ``graph_options`` belong to the layer's graphs then and are refused here. ``recompute``
+    (with ``"device"`` only): the node's forward keeps no activations and its backward runs
+    the bucket's program again first, so the pool holds one bucket's temporaries at a time
+    instead of every bucket's activations, for a second forward of the experts.
     Returns one :class:`DroplessExperts` per layer (``remove()`` undoes it)."""
     if choose not in _CHOICES:
         raise ValueError(f"te_graph.graph_dropless_experts: choose={choose!r}; use 'host' or 'device'.")
+    if not isinstance(recompute, bool):
+        raise TypeError(f"te_graph.graph_dropless_experts: recompute must be a bool, not {type(recompute).__name__}.")
     if choose == "device":
-        return _device_chosen(model, capacities, tokens, span, probs_dtype, overflow, eager_replay, graph_options)
+        return _device_chosen(model, capacities, tokens, span, probs_dtype, overflow, recompute, eager_replay,
+                              graph_options)
+    if recompute:
+        raise ValueError("te_graph.graph_dropless_experts: recompute=True runs the capacity's program again in "
+                         "the backward of the node choose='device' makes; the host-chosen graphs do not take it.")
     if not capacities or any(int(c) <= 0 for c in capacities):
         raise ValueError(f"te_graph.graph_dropless_experts: capacities must be positive row counts, got {list(capacities)}.")
     layers = _moe_layers(model)
@@ -132,7 +142,7 @@ def _moe_layers(model: torch.nn.Module) -> list:
 
 
 def _device_chosen(model: torch.nn.Module, capacities: Sequence[int], tokens: Optional[int], span: str,
-                   probs_dtype: Optional[torch.dtype], overflow: str, eager_replay: Optional[bool],
+                   probs_dtype: Optional[torch.dtype], overflow: str, recompute: bool, eager_replay: Optional[bool],
                    graph_options: dict) -> list[DroplessExperts]:
     """``choose="device"``: every refusal first, then one :class:`DeviceChosenDispatch` per layer."""
     where = "te_graph.graph_dropless_experts(choose='device')"
@@ -175,7 +185,7 @@ def _device_chosen(model: torch.nn.Module, capacities: Sequence[int], tokens: Op
             unpermute = moe_dispatch.module_of(layer.token_dispatcher).unpermute
             program = moe_dispatch.PaddedDispatch(padded, unpermute, bool(layer.config.moe_permute_fusion),
                                                   moe_dispatch.expert_exchange(layer))
-            installed.append(DeviceChosenDispatch(layer, program, fitting, (dtype, probs), int(tokens)))
+            installed.append(DeviceChosenDispatch(layer, program, fitting, (dtype, probs), int(tokens), recompute))
     except BaseException:
         for done in installed:
             done.remove()

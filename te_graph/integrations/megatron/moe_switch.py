@@ -21,6 +21,10 @@ layer left eager) the host reads the bucket (a sync) and runs the same program: 
 equals the graphs bitwise. Random numbers stay out of the bodies: the experts draw none, and
 the router, dropout and recompute are captured around the node.
 
+With ``recompute`` the node's forward keeps no activations and its backward runs the
+bucket's program again first: the pool holds one bucket's temporaries at a time instead of
+every bucket's activations, for a second forward of the experts.
+
 The calls each bucket served are counted on the GPU (``calls`` reads them, a sync). One rank
 of experts only (expert parallelism needs the ranks to agree on the bucket and the alltoalls
 outside the bodies: docs/conditional-nodes.md), and no FP8 (not proven yet): both refused by
@@ -48,7 +52,7 @@ class DeviceChosenDispatch(DroplessDispatch):
     choose = "device"
 
     def __init__(self, layer: torch.nn.Module, program: PaddedDispatch, capacities: Sequence[int], dtypes: tuple,
-                 tokens: int):
+                 tokens: int, recompute: bool = False):
         # DroplessDispatch's state, without graphs of its own: the layer's graph holds the node.
         self.layer, self.experts = layer, layer.experts
         self.dispatcher = layer.token_dispatcher
@@ -57,6 +61,7 @@ class DeviceChosenDispatch(DroplessDispatch):
         self.tokens, self.rows = tokens, tokens * layer.config.moe_router_topk
         self.capacities = tuple(sorted(capacities))
         self.dtypes = dtypes
+        self.recompute = recompute  # the node's backward runs the bucket's program again
         self.eager_calls = 0
         self._own = {name: getattr(layer, name) for name in _LAYER_METHODS}
         self._served: Optional[torch.Tensor] = None
@@ -105,7 +110,8 @@ class DeviceChosenDispatch(DroplessDispatch):
         index = torch.searchsorted(self._bounds, busiest)
         self._hits.index_add_(0, index, self._one)
         inputs = (hidden, probs, routing_map, dispatcher.reversed_local_input_permutation_mapping)
-        output = conditional.switched(index.view(()), self.programs, inputs, module=self.experts)
+        output = conditional.switched(index.view(()), self.programs, inputs, module=self.experts,
+                                      recompute=self.recompute)
         self._combined = output
         return output, None
 
