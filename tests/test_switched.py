@@ -259,3 +259,59 @@ def test_a_second_backward_is_refused_and_te_graphs_retained_backward_takes_it()
         out.sum().backward()
         net.grads = [y.grad] + [p.grad for p in net.parameters()]
     assert_same(model.grads, direct.grads)
+
+
+def _recompute_against_direct(make, x: torch.Tensor) -> None:
+    """``make()``'s module through switched(recompute=True) and called directly: outputs, input
+    and parameter grads and buffers bitwise alike (the run again starts from the buffers the
+    forward found, and leaves them as the forward did)."""
+    torch.manual_seed(0)
+    node = make()
+    torch.manual_seed(0)
+    direct = make()
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya = conditional.switched(torch.tensor(0), [lambda t: node(t)], (xa,), module=node, recompute=True)
+    yb = direct(xb)
+    ya.square().sum().backward()
+    yb.square().sum().backward()
+    assert_same([ya, xa.grad, *[p.grad for p in node.parameters()], *node.buffers()],
+                [yb, xb.grad, *[p.grad for p in direct.parameters()], *direct.buffers()])
+
+
+@pytest.mark.parametrize("make", [lambda: nn.BatchNorm1d(4),
+                                  lambda: nn.utils.parametrizations.spectral_norm(nn.Linear(4, 4))],
+                         ids=["batch-norm", "spectral-norm"])
+def test_a_recomputed_program_runs_again_from_the_buffers_its_forward_found(make):
+    _recompute_against_direct(make, torch.randn(8, 4))
+
+
+def test_outputs_are_new_tensors_even_where_a_program_returns_its_input():
+    """Under a capture the outputs are buffers of the node; outside one, an output sharing
+    memory with an input is copied: an in-place change of it leaves the input as it was, and
+    the gradients follow that."""
+    x = torch.ones(4, 3, requires_grad=True)
+    h = x * 1.0
+    out = conditional.switched(torch.tensor(0), [lambda t: t[:2]], (h,))
+    out.mul_(2)
+    (h.sum() + out.sum()).backward()
+    assert_same(h, torch.ones(4, 3, requires_grad=True) * 1.0)
+    assert_same(x.grad, torch.tensor([[3.0] * 3] * 2 + [[1.0] * 3] * 2))
+
+
+def test_a_gradient_of_a_gradient_is_refused():
+    x = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
+    y = conditional.switched(torch.tensor(0), [lambda t: t ** 3], (x,))
+    with pytest.raises(RuntimeError, match=re.escape("switched: a backward with create_graph=True (a gradient of a "
+                                                     "gradient) is not supported")):
+        torch.autograd.grad(y.sum(), x, create_graph=True)
+
+
+def test_a_reentrant_checkpoint_in_a_program_is_refused_and_a_refusal_leaves_the_buffers():
+    norm = nn.BatchNorm1d(4)
+    x = torch.randn(8, 4, requires_grad=True)
+    program = [lambda t: torch.utils.checkpoint.checkpoint(norm, t, use_reentrant=True)]
+    with pytest.raises(conditional.ConditionalCaptureError, match=re.escape(
+            "switched: program 0 holds a reentrant checkpoint (CheckpointFunctionBackward), whose backward refuses "
+            "the torch.autograd.grad the node's backward asks with: use a non-reentrant checkpoint")):
+        conditional.switched(torch.tensor(0), program, (x,), module=norm)
+    assert norm.num_batches_tracked.item() == 0 and torch.equal(norm.running_mean, torch.zeros(4))

@@ -85,6 +85,7 @@ def switched(index: torch.Tensor, programs: Sequence[Callable[..., Outputs]], in
                 prepare(index.device.index)  # here, outside any capture, for the capture to come
     slots = _trained_slots(module)
     state = _State(index, programs, pool, len(inputs), slots, chosen, recompute)
+    state.module = module
     outputs = _Switched.apply(state, *inputs, *_unique(p for _, _, p in slots))
     return outputs if state.tupled else outputs[0]
 
@@ -99,6 +100,8 @@ class _State:
         self.slots = slots  # (module, name, parameter) of each trainable parameter slot
         self.chosen = chosen
         self.recompute = recompute
+        self.module: Optional[torch.nn.Module] = None  # whose buffers a recompute starts from
+        self.buffers_before: list = []
         self.bodies: Optional[dict] = None
         self.tupled: Optional[bool] = None
 
@@ -108,8 +111,9 @@ class _Switched(torch.autograd.Function):
     with grad enabled, so that its autograd graph is whole and separate; under a capture its
     outputs are copied into buffers every body shares. The backward asks that graph for the
     gradients of the leaves and the aliases (under a capture in body ``k`` of the second
-    node, into buffers every body shares). With ``recompute`` the forward runs without grad
-    and keeps nothing but its inputs; the backward runs the program again with grad first."""
+    node, into buffers every body shares). With ``recompute`` the forward keeps nothing but
+    its inputs and the module's buffers as they were; the backward runs the program again on
+    those first. Once differentiable: a backward that would build a graph is refused."""
 
     @staticmethod
     def forward(ctx: Any, state: _State, *tensors: torch.Tensor) -> tuple:
@@ -118,13 +122,15 @@ class _Switched(torch.autograd.Function):
         ctx.state, ctx.params, ctx.aliases = state, params, aliases
         if state.recompute:
             ctx.save_for_backward(*inputs)
+            state.buffers_before = _buffers(state.module)  # the run again starts from them
         own = {id(t) for t in aliases}
         with _installed(state.slots, params, aliases):
             if state.chosen is not None:
-                leaves, produced = _run(state, state.chosen, inputs, own)
-                outputs = tuple(o.detach() for o in produced)
+                with _put_back_if_refused(state.module):
+                    leaves, produced = _run(state, state.chosen, inputs, own)
+                outputs = tuple(_handed_out(o, leaves + aliases) for o in produced)
                 state.bodies = None if state.recompute else {state.chosen: (leaves, produced)}
-                differentiable = [_differentiable(state, o) for o in produced]
+                differentiable = [o.requires_grad for o in produced]
             else:
                 kept, outputs, differentiable = {}, None, None
                 node = switch(state.index, len(state.programs), pool=state.pool)
@@ -138,7 +144,7 @@ class _Switched(torch.autograd.Function):
                             _check_like(k, produced, outputs)
                             for i, (buffer, output) in enumerate(zip(outputs, produced)):
                                 buffer.copy_(output.detach())
-                                differentiable[i] = differentiable[i] or _differentiable(state, output)
+                                differentiable[i] = differentiable[i] or output.requires_grad
                             if not state.recompute:
                                 kept[k] = (leaves, produced)
                 state.bodies = None if state.recompute else kept
@@ -147,6 +153,9 @@ class _Switched(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> tuple:
+        if torch.is_grad_enabled():  # autograd's engine runs a backward so under create_graph=True alone
+            raise RuntimeError("switched: a backward with create_graph=True (a gradient of a gradient) is not "
+                               "supported: the node hands out gradients without a graph of their own")
         state, aliases = ctx.state, ctx.aliases
         if state.recompute:
             return (None, *_recomputed_backward(ctx, grads))
@@ -172,21 +181,22 @@ class _Switched(torch.autograd.Function):
 
 
 def _recomputed_backward(ctx: Any, grads: tuple) -> list:
-    """The backward with ``recompute``: program ``k`` run again with grad, on the inputs the
-    forward kept, then asked for its gradients (under a capture, in body ``k``)."""
+    """The backward with ``recompute``: program ``k`` run again on the inputs the forward kept,
+    from the module's buffers as the forward found them (put back as this backward found them
+    after), then asked for its gradients (under a capture, in body ``k``)."""
     state, aliases, inputs = ctx.state, ctx.aliases, ctx.saved_tensors
     wanted = ctx.needs_input_grad[1:]
     own = {id(t) for t in aliases}
-    with _installed(state.slots, ctx.params, aliases):
+    with _installed(state.slots, ctx.params, aliases), _buffers_as(state.buffers_before):
         if state.chosen is not None:
-            leaves, outputs = _run(state, state.chosen, inputs, own, grad=True)
+            leaves, outputs = _run(state, state.chosen, inputs, own)
             return _grads(leaves + aliases, outputs, grads, wanted, False)
         sources = tuple(inputs) + aliases
         shared = [torch.empty_like(t) if w else None for t, w in zip(sources, wanted)]
         with switch(state.index, len(state.programs), pool=state.pool) as node:
             for k, body in enumerate(node):
                 with body:
-                    leaves, outputs = _run(state, k, inputs, own, grad=True)
+                    leaves, outputs = _run(state, k, inputs, own)
                     _into(shared, _grads(leaves + aliases, outputs, grads, wanted, False))
         return shared
 
@@ -198,18 +208,21 @@ def _into(shared: Sequence[Optional[torch.Tensor]], found: list) -> None:
             buffer.copy_(grad)
 
 
-def _differentiable(state: _State, output: torch.Tensor) -> bool:
-    """Whether an output takes a gradient: it requires grad, or, run without grad for
-    ``recompute``, it is of a floating or complex dtype."""
-    return output.requires_grad or (state.recompute and (output.is_floating_point() or output.is_complex()))
+def _handed_out(output: torch.Tensor, sources: tuple) -> torch.Tensor:
+    """An output as the node hands it out: a copy where it shares memory with an input or a
+    parameter (autograd would not see an in-place change of it as one of theirs), else itself."""
+    output = output.detach()
+    storage = output.untyped_storage().data_ptr()
+    if any(s.untyped_storage().data_ptr() == storage for s in sources):
+        return output.clone()
+    return output
 
 
-def _run(state: _State, k: int, inputs: tuple, own: set, grad: Optional[bool] = None) -> tuple:
-    """Program ``k`` on leaves of its own, with grad enabled (``grad``; by default unless
-    ``recompute``, whose backward runs it again with grad): (its leaves, its outputs)."""
-    grad = not state.recompute if grad is None else grad
-    with torch.enable_grad() if grad else torch.no_grad():
-        leaves = tuple(t.detach().requires_grad_(t.requires_grad and grad) for t in inputs)
+def _run(state: _State, k: int, inputs: tuple, own: set) -> tuple:
+    """Program ``k`` on leaves of its own, with grad enabled (also with ``recompute``: the same
+    kernels as the run again): (its leaves, its outputs)."""
+    with torch.enable_grad():
+        leaves = tuple(t.detach().requires_grad_(t.requires_grad) for t in inputs)
         result = state.programs[k](*leaves)
     tupled = isinstance(result, tuple)
     if state.tupled is not None and tupled != state.tupled:
@@ -219,8 +232,7 @@ def _run(state: _State, k: int, inputs: tuple, own: set, grad: Optional[bool] = 
     outputs = result if tupled else (result,)
     if any(not isinstance(o, torch.Tensor) for o in outputs):
         raise TypeError(f"switched: program {k} must return tensors")
-    if grad:
-        _check_trains_only_its_own(k, outputs, own | {id(t) for t in leaves})
+    _check_graph(k, outputs, own | {id(t) for t in leaves})
     return leaves, outputs
 
 
@@ -238,10 +250,17 @@ def _grads(sources: tuple, outputs: tuple, grads: tuple, wanted: tuple, retain: 
     return result
 
 
-def _check_trains_only_its_own(k: int, outputs: tuple, own: set) -> None:
+# The backward nodes of reentrant checkpoints (te_graph's, torch's use_reentrant=True and
+# Megatron's, Transformer Engine's): their backward refuses torch.autograd.grad, which the
+# node's backward is.
+_REENTRANT = frozenset({"_ReentrantCheckpointBackward", "CheckpointFunctionBackward", "_CheckpointFunctionBackward"})
+
+
+def _check_graph(k: int, outputs: tuple, own: set) -> None:
     """Refuse a program whose outputs' autograd graph reaches a leaf other than its own leaves
     and aliases (a tensor requiring grad it closes over, a parameter of another module, an
-    activation made outside): the node asks only for its own, so that gradient would be lost."""
+    activation made outside): the node asks only for its own, so that gradient would be lost;
+    or holds a reentrant checkpoint, whose backward the node's cannot run."""
     seen: set = set()
     stack = [o.grad_fn for o in outputs if o.grad_fn is not None]
     while stack:
@@ -249,6 +268,11 @@ def _check_trains_only_its_own(k: int, outputs: tuple, own: set) -> None:
         if node is None or node in seen:
             continue
         seen.add(node)
+        if type(node).__name__ in _REENTRANT:
+            raise ConditionalCaptureError(
+                f"switched: program {k} holds a reentrant checkpoint ({type(node).__name__}), whose backward "
+                "refuses the torch.autograd.grad the node's backward asks with: use a non-reentrant checkpoint "
+                "(use_reentrant=False), or switched(recompute=True), which runs the program again itself")
         variable = getattr(node, "variable", None)
         if variable is not None and id(variable) not in own:
             raise ConditionalCaptureError(
@@ -256,6 +280,37 @@ def _check_trains_only_its_own(k: int, outputs: tuple, own: set) -> None:
                 f"{str(variable.dtype).replace('torch.', '')}), whose gradient the node would lose: pass it as an "
                 "input, or its module as module=")
         stack.extend(next_node for next_node, _ in node.next_functions)
+
+
+def _buffers(module: Optional[torch.nn.Module]) -> list:
+    """(buffer, a copy of it) of every buffer of ``module``."""
+    return [] if module is None else [(b, b.clone()) for b in module.buffers()]
+
+
+@contextlib.contextmanager
+def _buffers_as(kept: list) -> Iterator[None]:
+    """Inside: the buffers as ``kept`` has them; after: as they were on entry."""
+    now = [(b, b.clone()) for b, _ in kept]
+    for b, value in kept:
+        b.copy_(value)
+    try:
+        yield
+    finally:
+        for b, value in now:
+            b.copy_(value)
+
+
+@contextlib.contextmanager
+def _put_back_if_refused(module: Optional[torch.nn.Module]) -> Iterator[None]:
+    """Outside a capture: a refusal after the program ran leaves the module's buffers as they were."""
+    kept = _buffers(module)
+    try:
+        yield
+    except BaseException:
+        with torch.no_grad():
+            for b, value in kept:
+                b.copy_(value)
+        raise
 
 
 def _trained_slots(module: Optional[torch.nn.Module]) -> list:
