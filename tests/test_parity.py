@@ -84,6 +84,15 @@ class SingleUseBlock(nn.Module):
         return nn.functional.dropout(torch.tanh(self.lin(x)), self.p, self.training), None
 
 
+class SpareParameterBlock(SingleUseBlock):
+    """Holds a parameter its forward never reads: eager code never runs its hooks, and its
+    .grad stays None."""
+
+    def __init__(self, device, dtype, dropout):
+        super().__init__(device, dtype, dropout)
+        self.spare = nn.Parameter(torch.ones(HIDDEN, device=device, dtype=dtype))
+
+
 class SavedOutputBlock(nn.Module):
     """Ends in tanh, whose backward reads its result: warmup, finding that the backward reads
     the output, runs its last pass again (``warmup._probed_backward``), dropout included."""
@@ -118,7 +127,7 @@ class Setup(harness.Row):
     """One training setup; every field has the plain default."""
 
     id: str
-    layer: str = "gpt"  # "gpt", "buffers", "containers", "single-use", "saved-output", "cache"
+    layer: str = "gpt"  # "gpt", "buffers", "containers", "single-use", "spare-parameter", "saved-output", "cache"
     blocks: int = 3
     dropout: float = 0.0
     recompute: str = "none"  # "none", "reentrant", "non-reentrant"
@@ -161,6 +170,9 @@ SETUPS = [
     Setup("tensor-hooks", hooks=("tensor",)),
     Setup("tensor-hooks-first", hooks=("tensor",), hooks_first=True, dropout=0.1, recompute="reentrant"),
     Setup("post-accumulate-hooks", hooks=("post_accumulate",)),
+    # Hooks, each kind, on a parameter the forward never reads: never run, as in eager code.
+    Setup("hooks-on-a-spare-parameter", layer="spare-parameter",
+          hooks=("tensor", "post_accumulate", "main_grad")),
     Setup("megatron-main-grad", hooks=("main_grad",), hooks_first=True, dropout=0.1, recompute="reentrant"),
     Setup("megatron-main-grad-after-graphing", hooks=("main_grad",), dropout=0.1),
     Setup("main-grad-uncloned", hooks=("main_grad",), hooks_first=True, options=(("clone_param_grads_on_return", False),)),
@@ -223,6 +235,8 @@ def _build(setup: Setup, device: str) -> list[nn.Module]:
             blocks.append(BufferedBlock(device, setup.dtype))
         elif setup.layer == "single-use":
             blocks.append(SingleUseBlock(device, setup.dtype, setup.dropout))
+        elif setup.layer == "spare-parameter":
+            blocks.append(SpareParameterBlock(device, setup.dtype, setup.dropout))
         elif setup.layer == "saved-output":
             blocks.append(SavedOutputBlock(device, setup.dtype, setup.dropout))
         elif setup.layer == "cache":

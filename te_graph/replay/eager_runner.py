@@ -55,6 +55,9 @@ class EagerRunner(Runner):
         # the real module (Transformer Engine flags grad_added_to_main_grad on the parameter
         # its kernel wrote): only their tied ones are routed.
         used = [p for i, p in enumerate(spec.params) if i not in warmup.unused_params]
+        # As the graphs' node, the eager one has no edge to a parameter its warmup left unused:
+        # autograd would run that parameter's hooks with None, where eager code never calls them.
+        self._set_params(tuple(used))
         tied = [spec.params[i] for i in sorted(spec.tied_params)]
         module = spec.func if isinstance(spec.func, torch.nn.Module) else None
         # The stand-ins share their parameters' attributes: Transformer Engine flags
