@@ -315,3 +315,22 @@ def test_a_reentrant_checkpoint_in_a_program_is_refused_and_a_refusal_leaves_the
             "the torch.autograd.grad the node's backward asks with: use a non-reentrant checkpoint")):
         conditional.switched(torch.tensor(0), program, (x,), module=norm)
     assert norm.num_batches_tracked.item() == 0 and torch.equal(norm.running_mean, torch.zeros(4))
+
+
+def test_the_call_grad_mode_and_saved_tensor_hooks_around_the_node_stay_outside_its_programs():
+    """Under no_grad the programs build no graph (a closed-over tensor is no refusal then); a
+    non-reentrant checkpoint around the node leaves the programs' saved tensors to the node,
+    so nothing runs again inside the node's backward (under a capture: no node inside a
+    body); every floating output takes a gradient whichever program ran."""
+    w = torch.randn(4, 4, requires_grad=True)
+    x = torch.randn(3, 4, requires_grad=True)
+    ran = []
+    programs = [lambda t: (ran.append("program"), t @ w.detach())[1], lambda t: t * 2]
+    with torch.no_grad():
+        assert not conditional.switched(torch.tensor(0), [lambda t: t @ w], (x,)).requires_grad
+    assert conditional.switched(torch.tensor(0), [lambda t: t.detach() * 1, lambda t: t], (x,)).requires_grad
+    region = [lambda t: conditional.switched(torch.tensor(0), programs, (t,))]
+    out = torch.utils.checkpoint.checkpoint(region[0], x, use_reentrant=False)
+    out.sum().backward()
+    assert ran == ["program"]
+    assert_same(x.grad, torch.ones(3, 4) @ w.detach().t())

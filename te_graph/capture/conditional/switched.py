@@ -100,6 +100,7 @@ class _State:
         self.slots = slots  # (module, name, parameter) of each trainable parameter slot
         self.chosen = chosen
         self.recompute = recompute
+        self.grad = torch.is_grad_enabled()  # the call's: its programs run so
         self.module: Optional[torch.nn.Module] = None  # whose buffers a recompute starts from
         self.buffers_before: list = []
         self.bodies: Optional[dict] = None
@@ -130,9 +131,8 @@ class _Switched(torch.autograd.Function):
                     leaves, produced = _run(state, state.chosen, inputs, own)
                 outputs = tuple(_handed_out(o, leaves + aliases) for o in produced)
                 state.bodies = None if state.recompute else {state.chosen: (leaves, produced)}
-                differentiable = [o.requires_grad for o in produced]
             else:
-                kept, outputs, differentiable = {}, None, None
+                kept, outputs = {}, None
                 node = switch(state.index, len(state.programs), pool=state.pool)
                 with node:
                     for k, body in enumerate(node):
@@ -140,15 +140,15 @@ class _Switched(torch.autograd.Function):
                             leaves, produced = _run(state, k, inputs, own)
                             if outputs is None:  # in the pool, like any of the body's allocations
                                 outputs = tuple(torch.empty_like(o, requires_grad=False) for o in produced)
-                                differentiable = [False] * len(outputs)
                             _check_like(k, produced, outputs)
-                            for i, (buffer, output) in enumerate(zip(outputs, produced)):
+                            for buffer, output in zip(outputs, produced):
                                 buffer.copy_(output.detach())
-                                differentiable[i] = differentiable[i] or output.requires_grad
                             if not state.recompute:
                                 kept[k] = (leaves, produced)
+                            del leaves, produced  # with recompute, the next body reuses their memory
                 state.bodies = None if state.recompute else kept
-        ctx.mark_non_differentiable(*(o for o, d in zip(outputs, differentiable) if not d))
+        # One rule whichever program runs: an output of a floating dtype takes a gradient.
+        ctx.mark_non_differentiable(*(o for o in outputs if not (o.is_floating_point() or o.is_complex())))
         return outputs
 
     @staticmethod
@@ -172,7 +172,7 @@ class _Switched(torch.autograd.Function):
             return (None, *_grads(leaves + aliases, outputs, grads, wanted, retain))
         sources = tuple(bodies[0][0]) + aliases
         shared = tuple(torch.empty_like(t) if w else None for t, w in zip(sources, wanted))
-        with switch(state.index, len(state.programs), pool=state.pool) as node:
+        with switch(state.index, len(state.programs), pool=capture_pool() or state.pool) as node:
             for k, body in enumerate(node):
                 leaves, outputs = bodies[k]
                 with body:
@@ -189,14 +189,14 @@ def _recomputed_backward(ctx: Any, grads: tuple) -> list:
     own = {id(t) for t in aliases}
     with _installed(state.slots, ctx.params, aliases), _buffers_as(state.buffers_before):
         if state.chosen is not None:
-            leaves, outputs = _run(state, state.chosen, inputs, own)
+            leaves, outputs = _run(state, state.chosen, inputs, own, grad=True)
             return _grads(leaves + aliases, outputs, grads, wanted, False)
         sources = tuple(inputs) + aliases
         shared = [torch.empty_like(t) if w else None for t, w in zip(sources, wanted)]
-        with switch(state.index, len(state.programs), pool=state.pool) as node:
+        with switch(state.index, len(state.programs), pool=capture_pool() or state.pool) as node:
             for k, body in enumerate(node):
                 with body:
-                    leaves, outputs = _run(state, k, inputs, own)
+                    leaves, outputs = _run(state, k, inputs, own, grad=True)
                     _into(shared, _grads(leaves + aliases, outputs, grads, wanted, False))
         return shared
 
@@ -218,11 +218,16 @@ def _handed_out(output: torch.Tensor, sources: tuple) -> torch.Tensor:
     return output
 
 
-def _run(state: _State, k: int, inputs: tuple, own: set) -> tuple:
-    """Program ``k`` on leaves of its own, with grad enabled (also with ``recompute``: the same
-    kernels as the run again): (its leaves, its outputs)."""
-    with torch.enable_grad():
-        leaves = tuple(t.detach().requires_grad_(t.requires_grad) for t in inputs)
+def _run(state: _State, k: int, inputs: tuple, own: set, grad: Optional[bool] = None) -> tuple:
+    """Program ``k`` on leaves of its own, in the grad mode of the call (``grad``: the run
+    again of ``recompute``, with grad; the forward of ``recompute`` runs as the call does, for
+    the same kernels): (its leaves, its outputs). Its saved tensors are its own: the hooks of a
+    non-reentrant checkpoint around the node would run the whole region again inside the
+    node's backward (under a capture, a node inside a body)."""
+    grad = state.grad if grad is None else grad
+    with torch.enable_grad() if grad else torch.no_grad(), \
+            torch.autograd.graph.saved_tensors_hooks(_same, _same):
+        leaves = tuple(t.detach().requires_grad_(t.requires_grad and grad) for t in inputs)
         result = state.programs[k](*leaves)
     tupled = isinstance(result, tuple)
     if state.tupled is not None and tupled != state.tupled:
@@ -232,8 +237,13 @@ def _run(state: _State, k: int, inputs: tuple, own: set) -> tuple:
     outputs = result if tupled else (result,)
     if any(not isinstance(o, torch.Tensor) for o in outputs):
         raise TypeError(f"switched: program {k} must return tensors")
-    _check_graph(k, outputs, own | {id(t) for t in leaves})
+    if grad:
+        _check_graph(k, outputs, own | {id(t) for t in leaves})
     return leaves, outputs
+
+
+def _same(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 
 
 def _grads(sources: tuple, outputs: tuple, grads: tuple, wanted: tuple, retain: bool) -> list:
@@ -273,7 +283,7 @@ def _check_graph(k: int, outputs: tuple, own: set) -> None:
                 f"switched: program {k} holds a reentrant checkpoint ({type(node).__name__}), whose backward "
                 "refuses the torch.autograd.grad the node's backward asks with: use a non-reentrant checkpoint "
                 "(use_reentrant=False), or switched(recompute=True), which runs the program again itself")
-        variable = getattr(node, "variable", None)
+        variable = node.variable if compat.is_accumulate_grad(node) else None
         if variable is not None and id(variable) not in own:
             raise ConditionalCaptureError(
                 f"switched: program {k} trains a tensor it closes over ({tuple(variable.shape)} "
@@ -292,12 +302,12 @@ def _buffers_as(kept: list) -> Iterator[None]:
     """Inside: the buffers as ``kept`` has them; after: as they were on entry."""
     now = [(b, b.clone()) for b, _ in kept]
     for b, value in kept:
-        b.copy_(value)
+        b.data.copy_(value)  # .data: a node that saved the buffer sees its version unchanged
     try:
         yield
     finally:
         for b, value in now:
-            b.copy_(value)
+            b.data.copy_(value)
 
 
 @contextlib.contextmanager
@@ -307,9 +317,8 @@ def _put_back_if_refused(module: Optional[torch.nn.Module]) -> Iterator[None]:
     try:
         yield
     except BaseException:
-        with torch.no_grad():
-            for b, value in kept:
-                b.copy_(value)
+        for b, value in kept:
+            b.data.copy_(value)
         raise
 
 
