@@ -29,6 +29,7 @@ import torch
 from checkpointing.recompute_state import cuda_stream_capturing
 
 from ... import compat
+from ..parameters import StandIns
 from .guards import ConditionalCaptureError
 from .nodes import switch
 from .runtime import capture_pool, prepare, retains_graph, runtime
@@ -83,10 +84,8 @@ def switched(index: torch.Tensor, programs: Sequence[Callable[..., Outputs]], in
         if index.device.type == "cuda" and not runtime(index.device.index).ready():
             with contextlib.suppress(ImportError):  # without cuda-bindings a capture names the extra
                 prepare(index.device.index)  # here, outside any capture, for the capture to come
-    slots = _trained_slots(module)
-    state = _State(index, programs, pool, len(inputs), slots, chosen, recompute)
-    state.module = module
-    outputs = _Switched.apply(state, *inputs, *_unique(p for _, _, p in slots))
+    state = _State(index, programs, pool, len(inputs), module, chosen, recompute)
+    outputs = _Switched.apply(state, *inputs, *state.params)
     return outputs if state.tupled else outputs[0]
 
 
@@ -94,14 +93,19 @@ class _State:
     """What the forward leaves for the backward: per program run or captured, its leaves and
     outputs (``bodies``); ``chosen``: the program the host chose (None: under a capture)."""
 
-    def __init__(self, index: torch.Tensor, programs: tuple, pool: Any, inputs: int, slots: list,
-                 chosen: Optional[int], recompute: bool = False):
+    def __init__(self, index: torch.Tensor, programs: tuple, pool: Any, inputs: int,
+                 module: Optional[torch.nn.Module], chosen: Optional[int], recompute: bool):
         self.index, self.programs, self.pool, self.inputs = index, programs, pool, inputs
-        self.slots = slots  # (module, name, parameter) of each trainable parameter slot
+        self.module = module  # whose parameters the programs train, and whose buffers a refusal or recompute keeps
+        # The aliases of its trainable parameters (each once), installed in its slots while a
+        # program runs: the same memory and attribute dict.
+        self.stand_ins = StandIns([module] if module is not None else [], share_attributes=True)
+        self.params = tuple(self.stand_ins.real.values())
+        self.aliases = tuple(self.stand_ins.of.values())
+        self.own = {id(a) for a in self.aliases}  # leaves a program may train, with its own inputs'
         self.chosen = chosen
         self.recompute = recompute
         self.grad = torch.is_grad_enabled()  # the call's: its programs run so
-        self.module: Optional[torch.nn.Module] = None  # whose buffers a recompute starts from
         self.buffers_before: list = []
         self.bodies: Optional[dict] = None
         self.tupled: Optional[bool] = None
@@ -118,35 +122,36 @@ class _Switched(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, state: _State, *tensors: torch.Tensor) -> tuple:
-        inputs, params = tensors[:state.inputs], tensors[state.inputs:]
-        aliases = tuple(_alias(p) for p in params)
-        ctx.state, ctx.params, ctx.aliases = state, params, aliases
+        inputs = tensors[:state.inputs]
+        ctx.state = state
+        # The module's buffers as the programs find them: a refusal outside a capture puts them
+        # back, the run again of recompute starts from them.
+        kept = _buffers(state.module) if state.recompute or state.chosen is not None else []
         if state.recompute:
             ctx.save_for_backward(*inputs)
-            state.buffers_before = _buffers(state.module)  # the run again starts from them
-        own = {id(t) for t in aliases}
-        with _installed(state.slots, params, aliases):
+            state.buffers_before = kept
+        with state.stand_ins.installed():
             if state.chosen is not None:
-                with _put_back_if_refused(state.module):
-                    leaves, produced = _run(state, state.chosen, inputs, own)
-                outputs = tuple(_handed_out(o, leaves + aliases) for o in produced)
+                with _put_back_if_refused(kept):
+                    leaves, produced = _run(state, state.chosen, inputs)
+                outputs = tuple(_handed_out(o, leaves + state.aliases) for o in produced)
                 state.bodies = None if state.recompute else {state.chosen: (leaves, produced)}
             else:
-                kept, outputs = {}, None
+                captured, outputs = {}, None
                 node = switch(state.index, len(state.programs), pool=state.pool)
                 with node:
                     for k, body in enumerate(node):
                         with body:
-                            leaves, produced = _run(state, k, inputs, own)
+                            leaves, produced = _run(state, k, inputs)
                             if outputs is None:  # in the pool, like any of the body's allocations
                                 outputs = tuple(torch.empty_like(o, requires_grad=False) for o in produced)
                             _check_like(k, produced, outputs)
                             for buffer, output in zip(outputs, produced):
                                 buffer.copy_(output.detach())
                             if not state.recompute:
-                                kept[k] = (leaves, produced)
+                                captured[k] = (leaves, produced)
                             del leaves, produced  # with recompute, the next body reuses their memory
-                state.bodies = None if state.recompute else kept
+                state.bodies = None if state.recompute else captured
         # One rule whichever program runs: an output of a floating dtype takes a gradient.
         ctx.mark_non_differentiable(*(o for o in outputs if not (o.is_floating_point() or o.is_complex())))
         return outputs
@@ -156,7 +161,7 @@ class _Switched(torch.autograd.Function):
         if torch.is_grad_enabled():  # autograd's engine runs a backward so under create_graph=True alone
             raise RuntimeError("switched: a backward with create_graph=True (a gradient of a gradient) is not "
                                "supported: the node hands out gradients without a graph of their own")
-        state, aliases = ctx.state, ctx.aliases
+        state, aliases = ctx.state, ctx.state.aliases
         if state.recompute:
             return (None, *_recomputed_backward(ctx, grads))
         bodies = state.bodies
@@ -167,45 +172,44 @@ class _Switched(torch.autograd.Function):
         if not retain:
             state.bodies = None  # each program's graph goes with this backward
         wanted = ctx.needs_input_grad[1:]
+
+        def body_grads(k: int) -> list:
+            leaves, outputs = bodies[k]
+            return _grads(leaves + aliases, outputs, grads, wanted, retain)
+
         if state.chosen is not None:
-            leaves, outputs = bodies[state.chosen]
-            return (None, *_grads(leaves + aliases, outputs, grads, wanted, retain))
-        sources = tuple(bodies[0][0]) + aliases
-        shared = tuple(torch.empty_like(t) if w else None for t, w in zip(sources, wanted))
-        with switch(state.index, len(state.programs), pool=capture_pool() or state.pool) as node:
-            for k, body in enumerate(node):
-                leaves, outputs = bodies[k]
-                with body:
-                    _into(shared, _grads(leaves + aliases, outputs, grads, wanted, retain))
-        return (None, *shared)
+            return (None, *body_grads(state.chosen))
+        return (None, *_backward_node(state, tuple(bodies[0][0]) + aliases, wanted, body_grads))
 
 
 def _recomputed_backward(ctx: Any, grads: tuple) -> list:
     """The backward with ``recompute``: program ``k`` run again on the inputs the forward kept,
     from the module's buffers as the forward found them (put back as this backward found them
     after), then asked for its gradients (under a capture, in body ``k``)."""
-    state, aliases, inputs = ctx.state, ctx.aliases, ctx.saved_tensors
+    state, inputs = ctx.state, ctx.saved_tensors
     wanted = ctx.needs_input_grad[1:]
-    own = {id(t) for t in aliases}
-    with _installed(state.slots, ctx.params, aliases), _buffers_as(state.buffers_before):
+
+    def run_again(k: int) -> list:
+        leaves, outputs = _run(state, k, inputs, grad=True)
+        return _grads(leaves + state.aliases, outputs, grads, wanted, False)
+
+    with state.stand_ins.installed(), _buffers_as(state.buffers_before):
         if state.chosen is not None:
-            leaves, outputs = _run(state, state.chosen, inputs, own, grad=True)
-            return _grads(leaves + aliases, outputs, grads, wanted, False)
-        sources = tuple(inputs) + aliases
-        shared = [torch.empty_like(t) if w else None for t, w in zip(sources, wanted)]
-        with switch(state.index, len(state.programs), pool=capture_pool() or state.pool) as node:
-            for k, body in enumerate(node):
-                with body:
-                    leaves, outputs = _run(state, k, inputs, own, grad=True)
-                    _into(shared, _grads(leaves + aliases, outputs, grads, wanted, False))
-        return shared
+            return run_again(state.chosen)
+        return _backward_node(state, tuple(inputs) + state.aliases, wanted, run_again)
 
 
-def _into(shared: Sequence[Optional[torch.Tensor]], found: list) -> None:
-    """One body's gradients into the buffers every body shares."""
-    for buffer, grad in zip(shared, found):
-        if buffer is not None:
-            buffer.copy_(grad)
+def _backward_node(state: _State, sources: tuple, wanted: tuple, body_grads: Callable[[int], list]) -> list:
+    """Under a capture: the backward's SWITCH node, whose body ``k`` writes ``body_grads(k)``
+    (the gradients of ``sources``, where wanted) into buffers every body shares."""
+    shared = [torch.empty_like(t) if w else None for t, w in zip(sources, wanted)]
+    with switch(state.index, len(state.programs), pool=capture_pool() or state.pool) as node:
+        for k, body in enumerate(node):
+            with body:
+                for buffer, grad in zip(shared, body_grads(k)):
+                    if buffer is not None:
+                        buffer.copy_(grad)
+    return shared
 
 
 def _handed_out(output: torch.Tensor, sources: tuple) -> torch.Tensor:
@@ -218,7 +222,7 @@ def _handed_out(output: torch.Tensor, sources: tuple) -> torch.Tensor:
     return output
 
 
-def _run(state: _State, k: int, inputs: tuple, own: set, grad: Optional[bool] = None) -> tuple:
+def _run(state: _State, k: int, inputs: tuple, grad: Optional[bool] = None) -> tuple:
     """Program ``k`` on leaves of its own, in the grad mode of the call (``grad``: the run
     again of ``recompute``, with grad; the forward of ``recompute`` runs as the call does, for
     the same kernels): (its leaves, its outputs). Its saved tensors are its own: the hooks of a
@@ -238,7 +242,7 @@ def _run(state: _State, k: int, inputs: tuple, own: set, grad: Optional[bool] = 
     if any(not isinstance(o, torch.Tensor) for o in outputs):
         raise TypeError(f"switched: program {k} must return tensors")
     if grad:
-        _check_graph(k, outputs, own | {id(t) for t in leaves})
+        _check_graph(k, outputs, state.own | {id(t) for t in leaves})
     return leaves, outputs
 
 
@@ -311,51 +315,14 @@ def _buffers_as(kept: list) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _put_back_if_refused(module: Optional[torch.nn.Module]) -> Iterator[None]:
-    """Outside a capture: a refusal after the program ran leaves the module's buffers as they were."""
-    kept = _buffers(module)
+def _put_back_if_refused(kept: list) -> Iterator[None]:
+    """Outside a capture: a refusal after the program ran puts the buffers back as ``kept`` has them."""
     try:
         yield
     except BaseException:
         for b, value in kept:
             b.data.copy_(value)
         raise
-
-
-def _trained_slots(module: Optional[torch.nn.Module]) -> list:
-    """(submodule, name, parameter) of every slot holding a trainable parameter of ``module``."""
-    if module is None:
-        return []
-    return [(sub, name, p) for sub in module.modules() for name, p in compat.parameter_slots(sub).items()
-            if p is not None and p.requires_grad]
-
-
-def _unique(params: Any) -> list:
-    seen: dict[int, torch.Tensor] = {}
-    for p in params:
-        seen.setdefault(id(p), p)
-    return list(seen.values())
-
-
-def _alias(param: torch.Tensor) -> torch.nn.Parameter:
-    """A leaf on ``param``'s memory sharing its Python attributes (``main_grad``, and the flags a
-    fused weight-gradient kernel sets there)."""
-    alias = torch.nn.Parameter(param.detach(), requires_grad=True)
-    alias.__dict__ = param.__dict__
-    return alias
-
-
-@contextlib.contextmanager
-def _installed(slots: list, params: tuple, aliases: tuple) -> Iterator[None]:
-    """The aliases in the parameters' slots while the programs run."""
-    of = {id(p): a for p, a in zip(params, aliases)}
-    try:
-        for sub, name, p in slots:
-            compat.parameter_slots(sub)[name] = of[id(p)]
-        yield
-    finally:
-        for sub, name, p in slots:
-            compat.parameter_slots(sub)[name] = p
 
 
 def _check_like(k: int, outputs: tuple, shared: tuple) -> None:
