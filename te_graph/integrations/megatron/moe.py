@@ -94,14 +94,14 @@ def graph_dropless_experts(
         raise ValueError(f"te_graph.graph_dropless_experts: choose={choose!r}; use 'host' or 'device'.")
     if not isinstance(recompute, bool):
         raise TypeError(f"te_graph.graph_dropless_experts: recompute must be a bool, not {type(recompute).__name__}.")
+    if not capacities or any(int(c) <= 0 for c in capacities):
+        raise ValueError(f"te_graph.graph_dropless_experts: capacities must be positive row counts, got {list(capacities)}.")
     if choose == "device":
         return _device_chosen(model, capacities, tokens, span, probs_dtype, overflow, recompute, eager_replay,
                               graph_options)
     if recompute:
         raise ValueError("te_graph.graph_dropless_experts: recompute=True runs the capacity's program again in "
                          "the backward of the node choose='device' makes; the host-chosen graphs do not take it.")
-    if not capacities or any(int(c) <= 0 for c in capacities):
-        raise ValueError(f"te_graph.graph_dropless_experts: capacities must be positive row counts, got {list(capacities)}.")
     layers = _moe_layers(model)
     if overflow not in _OVERFLOW_ROWS:
         raise ValueError(f"te_graph.graph_dropless_experts: overflow={overflow!r}; use 'padded' or 'eager'.")
@@ -146,8 +146,6 @@ def _device_chosen(model: torch.nn.Module, capacities: Sequence[int], tokens: Op
                    graph_options: dict) -> list[DroplessExperts]:
     """``choose="device"``: every refusal first, then one :class:`DeviceChosenDispatch` per layer."""
     where = "te_graph.graph_dropless_experts(choose='device')"
-    if not capacities or any(int(c) <= 0 for c in capacities):
-        raise ValueError(f"{where}: capacities must be positive row counts, got {list(capacities)}.")
     given = [name for name, value in (("overflow", overflow != "padded"), ("eager_replay", eager_replay is not None),
                                       *((n, True) for n in graph_options)) if value]
     if given:
@@ -177,15 +175,9 @@ def _device_chosen(model: torch.nn.Module, capacities: Sequence[int], tokens: Op
     installed: list[DroplessExperts] = []
     try:
         for layer, (_, fitting) in zip(layers, plans):
-            params = list(layer.experts.parameters())
-            dtype = params[0].dtype
-            probs = probs_dtype or _ROUTER_DTYPES.get(getattr(layer.config, "moe_router_dtype", None), dtype)
-            padded = PaddedExperts(layer.experts, type(layer.experts).forward.__get__(layer.experts),
-                                   layer.experts.num_local_experts)
-            unpermute = moe_dispatch.module_of(layer.token_dispatcher).unpermute
-            program = moe_dispatch.PaddedDispatch(padded, unpermute, bool(layer.config.moe_permute_fusion),
-                                                  moe_dispatch.expert_exchange(layer))
-            installed.append(DeviceChosenDispatch(layer, program, fitting, (dtype, probs), int(tokens), recompute))
+            program = _padded_dispatch(layer, _padded_experts(layer), moe_dispatch.expert_exchange(layer))
+            installed.append(DeviceChosenDispatch(layer, program, fitting, _dtypes(layer, probs_dtype), int(tokens),
+                                                  recompute))
     except BaseException:
         for done in installed:
             done.remove()
@@ -244,19 +236,12 @@ def _install(layer: torch.nn.Module, owner: Optional[torch.nn.Module], ddp_hook:
     experts = layer.experts
     num_experts = experts.num_local_experts
     hidden_size = layer.config.hidden_size
-    params = list(experts.parameters())
-    # The tokens come in the parameters' dtype (megatron-core's Float16Module casts the
-    # parameters, whatever config.params_dtype says).
-    device, dtype = params[0].device, params[0].dtype
-    # The router computes in moe_router_dtype where set, else in the activations' dtype,
-    # and dispatch permutes its probabilities as they are.
-    probs = probs_dtype or _ROUTER_DTYPES.get(getattr(layer.config, "moe_router_dtype", None), dtype)
-    padded = PaddedExperts(experts, type(experts).forward.__get__(experts), num_experts, owner, ddp_hook)
+    device = next(experts.parameters()).device
+    dtype, probs = _dtypes(layer, probs_dtype)
+    padded = _padded_experts(layer, owner, ddp_hook)
     if span == "dispatch":
         exchange = moe_dispatch.expert_exchange(layer)
-        program: torch.nn.Module = moe_dispatch.PaddedDispatch(
-            padded, moe_dispatch.module_of(layer.token_dispatcher).unpermute, bool(layer.config.moe_permute_fusion),
-            exchange)
+        program: torch.nn.Module = _padded_dispatch(layer, padded, exchange)
         samples = moe_dispatch.dispatch_samples(layer, tokens, (dtype, probs), largest_first)
     else:
         program = padded
@@ -273,6 +258,30 @@ def _install(layer: torch.nn.Module, owner: Optional[torch.nn.Module], ddp_hook:
                                              overflow_rows, tokens, exchange)
     return DroplessExperts(experts, graphed, eager_program, largest_first, num_experts, (dtype, probs), enabled,
                            overflow_rows)
+
+
+def _dtypes(layer: torch.nn.Module, probs_dtype: Optional[torch.dtype]) -> tuple:
+    """The (tokens, routing probabilities) dtypes of the layer's calls."""
+    # The tokens come in the parameters' dtype (megatron-core's Float16Module casts the
+    # parameters, whatever config.params_dtype says).
+    dtype = next(layer.experts.parameters()).dtype
+    # The router computes in moe_router_dtype where set, else in the activations' dtype,
+    # and dispatch permutes its probabilities as they are.
+    return dtype, probs_dtype or _ROUTER_DTYPES.get(getattr(layer.config, "moe_router_dtype", None), dtype)
+
+
+def _padded_experts(layer: torch.nn.Module, owner: Optional[torch.nn.Module] = None,
+                    ddp_hook: Optional[Callable] = None) -> PaddedExperts:
+    """The layer's experts on the padded layout, through their class's forward."""
+    experts = layer.experts
+    return PaddedExperts(experts, type(experts).forward.__get__(experts), experts.num_local_experts, owner, ddp_hook)
+
+
+def _padded_dispatch(layer: torch.nn.Module, padded: PaddedExperts,
+                     exchange: moe_dispatch.ExpertExchange) -> moe_dispatch.PaddedDispatch:
+    """From the dispatcher's permuted tokens to the combined output, with its own un-permutation."""
+    return moe_dispatch.PaddedDispatch(padded, moe_dispatch.module_of(layer.token_dispatcher).unpermute,
+                                       bool(layer.config.moe_permute_fusion), exchange)
 
 
 def _fp8_arguments(layer: torch.nn.Module) -> dict:

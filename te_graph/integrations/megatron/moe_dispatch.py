@@ -307,15 +307,21 @@ class DroplessDispatch(DroplessExperts):
     def block_rows(self, capacity: int) -> int:
         return block_rows(capacity, self.exchange.ranks)
 
+    def served_call(self) -> bool:
+        """Whether this layer call is one these methods may serve, as far as the layer says:
+        in training, with the dispatcher they vetted, its forward one call (not split by
+        megatron-core's own graphs). The ranks of an expert-parallel group run the same
+        program in the same mode, so they decide this alike."""
+        layer = self.layer
+        return (layer.training and layer.token_dispatcher is self.dispatcher
+                and getattr(layer, "fwd_execution_map", None) == _WHOLE_FORWARD)
+
     def dispatch(self, hidden: torch.Tensor, probs: torch.Tensor) -> tuple:
-        layer, dispatcher = self.layer, self.layer.token_dispatcher
+        dispatcher = self.layer.token_dispatcher
         self._served, self._combined = None, None
-        # megatron-core's own methods where the graphs do not serve the call: outside
-        # training, inside another capture, another dispatcher swapped in, a forward split
-        # into separate calls (megatron-core's own graphs). The ranks of an expert-parallel
-        # group run the same program in the same mode, so they decide these alike.
-        if (not layer.training or cuda_stream_capturing() or dispatcher is not self.dispatcher
-                or getattr(layer, "fwd_execution_map", None) != _WHOLE_FORWARD):
+        # megatron-core's own methods where the graphs do not serve the call, or inside
+        # another capture (a graph cannot replay inside one).
+        if not self.served_call() or cuda_stream_capturing():
             self.eager_calls += 1
             return self._own["dispatch"](hidden, probs)
         # A sync point: the host waits for the router (and the group's all-gather).
@@ -381,7 +387,8 @@ class DroplessDispatch(DroplessExperts):
         for name in _LAYER_METHODS:
             self.layer.__dict__.pop(name, None)
         self._served, self._combined = None, None
-        reset(self.graphed)
+        if self.graphed is not None:  # the device choice's node lives in the layer's own graphs
+            reset(self.graphed)
 
 
 def module_of(dispatcher: Any) -> Any:

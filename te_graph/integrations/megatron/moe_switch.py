@@ -37,7 +37,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from ...capture import conditional
-from .moe_dispatch import _LAYER_METHODS, _WHOLE_FORWARD, DroplessDispatch, PaddedDispatch, capacity_shape
+from .moe_dispatch import _LAYER_METHODS, DroplessDispatch, PaddedDispatch, capacity_shape
 
 __all__ = ["DeviceChosenDispatch"]
 
@@ -56,7 +56,6 @@ class DeviceChosenDispatch(DroplessDispatch):
         # DroplessDispatch's state, without graphs of its own: the layer's graph holds the node.
         self.layer, self.experts = layer, layer.experts
         self.dispatcher = layer.token_dispatcher
-        self.program = program
         self.graphed = None
         self.tokens, self.rows = tokens, tokens * layer.config.moe_router_topk
         self.capacities = tuple(sorted(capacities))
@@ -79,14 +78,12 @@ class DeviceChosenDispatch(DroplessDispatch):
         return dict(zip(self.capacities, self._hits.tolist()))
 
     def dispatch(self, hidden: torch.Tensor, probs: torch.Tensor) -> tuple:
-        layer, dispatcher = self.layer, self.layer.token_dispatcher
+        dispatcher = self.layer.token_dispatcher
         self._served, self._combined = None, None
-        # megatron-core's own methods where the node does not serve the call: outside training,
-        # another dispatcher swapped in, a forward split into separate calls, or another number
-        # of tokens than the buckets were made for (all known on the host).
-        if (not layer.training or dispatcher is not self.dispatcher
-                or getattr(layer, "fwd_execution_map", None) != _WHOLE_FORWARD
-                or dispatcher.routing_map.shape[0] != self.tokens or hidden.shape[0] != self.rows):
+        # megatron-core's own methods where the node does not serve the call, or for another
+        # number of tokens than the buckets were made for (both known on the host).
+        if (not self.served_call() or dispatcher.routing_map.shape[0] != self.tokens
+                or hidden.shape[0] != self.rows):
             self.eager_calls += 1
             return self._own["dispatch"](hidden, probs)
         self._check_dtypes(hidden, probs)
@@ -114,12 +111,6 @@ class DeviceChosenDispatch(DroplessDispatch):
                                       recompute=self.recompute)
         self._combined = output
         return output, None
-
-    def remove(self) -> None:
-        """Put megatron-core's methods back."""
-        for name in _LAYER_METHODS:
-            self.layer.__dict__.pop(name, None)
-        self._served, self._combined = None, None
 
 
 def _bucket(program: PaddedDispatch, block: torch.Tensor) -> Callable:
