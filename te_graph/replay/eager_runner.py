@@ -54,20 +54,20 @@ class EagerRunner(Runner):
         # asked for some of them reaches them. Parameters carrying Megatron's main_grad keep
         # the real module (Transformer Engine flags grad_added_to_main_grad on the parameter
         # its kernel wrote): only their tied ones are routed.
-        used = [p for i, p in enumerate(spec.params) if i not in warmup.unused_params]
         # As the graphs' node, the eager one has no edge to a parameter its warmup left unused:
         # autograd would run that parameter's hooks with None, where eager code never calls them.
-        self._set_params(tuple(used))
+        self._set_params(tuple(p for i, p in enumerate(spec.params) if i not in warmup.unused_params))
         tied = [spec.params[i] for i in sorted(spec.tied_params)]
         module = spec.func if isinstance(spec.func, torch.nn.Module) else None
         # The stand-ins share their parameters' attributes: Transformer Engine flags
         # grad_added_to_main_grad on the weight its kernel accumulated into main_grad, which
         # Megatron DDP's hook reads on the parameter before it adds the .grad.
-        self.routed_all = StandIns([module], only=used, share_attributes=True) if used and module is not None else None
+        self.routed_all = (StandIns([module], only=self.params, share_attributes=True)
+                           if self.params and module is not None else None)
         self.routed_tied = StandIns([module], only=tied, share_attributes=True) if tied and module is not None else None
         self.always_routed = context.options.always_autograd
         if spec.needs_backward:  # unrouted, the real parameters take their gradients in the nested backward
-            self._watch(tuple(used))
+            self._watch(self.params)
         self.handout = EagerOutputs(self.name, spec)
         self._route: Any = None  # the stand-ins of this call (``through_autograd``)
         self._real_observed = False  # DDP or hooks observe the real parameters at this call, unrouted
