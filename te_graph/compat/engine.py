@@ -66,6 +66,7 @@ def after_this_backward(callback: Callable[[], None]) -> None:
     ``queue_callback``, which DDP and FSDP use too); an error it raises leaves that backward."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 
+
 # ``torch._C._current_graph_task_id`` (private, torch >= 2.0; torch/utils/checkpoint.py uses it
 # for non-reentrant checkpoints): the id of the backward running on this thread, -1 outside one.
 graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)

@@ -86,10 +86,8 @@ def after_in_graph(runner: Any) -> None:
 
 
 def _versions(grads: tuple) -> tuple:
-    try:
-        return tuple(map(compat.version_of, grads))
-    except AttributeError:  # a parameter this backward gave no gradient (eager replay)
-        return tuple(-1 if g is None else compat.version_of(g) for g in grads)
+    """Each ``.grad``'s version counter, -1 where a parameter has none (eager replay)."""
+    return tuple(-1 if g is None else compat.version_of(g) for g in grads)
 
 
 _grad = operator.attrgetter("grad")
