@@ -20,8 +20,8 @@ dispatcher, aux-loss load balancing), trained through Megatron's schedule and DD
   ``te_graph buckets 4x`` adds 3 and 4 times (with top-2 of 8 experts, 4 times the even
   share is every token: no call runs eagerly), for a larger pool.
 * ``te_graph switch``: dropless, each layer graphed whole (as drop-and-pad is), the capacity
-  chosen on the GPU by a conditional node over the buckets 1, 1.25, 1.5, 1.75, 2, 2.5 and 3
-  times the even share and every token (``te_graph.integrations.megatron.moe_switch``): no host sync and no
+  chosen on the GPU by a conditional node over the buckets 1 to 2 times the even share in
+  eighths, 2.25, 2.5 and 3 times, and every token (``te_graph.integrations.megatron.moe_switch``): no host sync and no
   eager call per layer. ``te_graph switch recompute``: the node keeps no activations and
   runs the bucket's experts again in the backward (one bucket's memory, not every bucket's).
 * ``eager drop-pad`` / ``te_graph drop-pad`` / ``TE drop-pad``: drop-and-pad routing at
@@ -58,7 +58,7 @@ from _megatron_run import model_arguments, run_example, save
 _PARTIAL = ["--graph-modules", "attn,moe_router,moe_preprocess"]
 _DROP_PAD = ["--capacity", "1.0"]
 # A bucket the GPU does not take costs no time, only pool memory: finer than the host's.
-_SWITCH_BUCKETS = "1.0,1.25,1.5,1.75,2.0,2.5,3.0"
+_SWITCH_BUCKETS = "1.0,1.125,1.25,1.375,1.5,1.625,1.75,1.875,2.0,2.25,2.5,3.0"
 # row -> (examples.megatron_gpt --graphs, extra arguments)
 ROWS = {
     "eager": ("eager", []),

@@ -62,6 +62,9 @@ experts alone)::
 inside the graph of the whole layer (an empty ``--graph-modules``)::
 
     python -m examples.megatron_gpt --graphs eager,te_graph --experts 4 --buckets 1.0,1.25 --choose device
+
+``--sync-check 1`` runs the graphed steps' forward and backward under
+``torch.cuda.set_sync_debug_mode("error")``: a host sync in them fails the run.
 """
 from __future__ import annotations
 
@@ -146,6 +149,10 @@ class RunConfig:
     # Megatron's optimizer eagerly after it) or "te_graph_step_replay" (its eager replay)
     graphs: str = "te_graph"
     step_verify: bool = False  # te_graph_step: te_graph's verifier compares every step with the eager one
+    # Graphed runs (te_graph, te, te_graph_step): the forward and backward of each step after the
+    # one that made the graphs run under torch.cuda.set_sync_debug_mode("error"), so a host
+    # sync in them fails the run (eager runs and eager replays read the routing on the host).
+    sync_check: bool = False
     steps: int = 4
     warmup_steps: int = 1  # eager steps before the helper makes the graphs
     # Before this step (0: never), delete the graphs (the helper's delete_cuda_graphs, which
@@ -384,8 +391,10 @@ def train(cfg: RunConfig) -> dict:
     record: dict = {"losses": [], "main_grads": [], "weights": [], "step_ms": [], "config": asdict(cfg)}
     routed = _count_routed() if cfg.experts and cfg.count_dropped else None
     dropless: list = []
+    made_at = None  # the step that last made the graphs
     for step in range(cfg.steps):
         event = graph_event(cfg, step)
+        made_at = step if event is not None else made_at
         if event is not None and whole:
             if graphed_step is not None:
                 graphed_step.reset()
@@ -420,12 +429,14 @@ def train(cfg: RunConfig) -> dict:
             torch.distributed.barrier(device_ids=[torch.cuda.current_device()])
         torch.cuda.synchronize()
         started = time.perf_counter()
-        if graphed_step is not None:
-            out = graphed_step(data)
-        else:
-            out = step_fn(forward_step_func=_forward_step, data_iterator=data, model=model,
-                          num_microbatches=cfg.microbatches, seq_length=cfg.seq, micro_batch_size=cfg.micro_batch,
-                          forward_only=False)
+        replayed = cfg.graphs in ("te_graph", "te", "te_graph_step") and made_at is not None and step > made_at
+        with _no_host_sync(cfg.sync_check and replayed):
+            if graphed_step is not None:
+                out = graphed_step(data)
+            else:
+                out = step_fn(forward_step_func=_forward_step, data_iterator=data, model=model,
+                              num_microbatches=cfg.microbatches, seq_length=cfg.seq,
+                              micro_batch_size=cfg.micro_batch, forward_only=False)
         paused, main_grads = 0.0, None
         if optimizer is not None:
             # Its gradient clipping may scale main_grad in place: keep a copy first, off the
@@ -482,6 +493,19 @@ def _graph_step(cfg: RunConfig, model: list, update: Any) -> Any:
                                    micro_batch_size=cfg.micro_batch, update=update,
                                    eager_replay=cfg.graphs == "te_graph_step_replay",
                                    verify=True if cfg.step_verify else None)
+
+
+@contextlib.contextmanager
+def _no_host_sync(checked: bool) -> Iterator[None]:
+    """Where ``checked``, a host sync inside fails (torch raises at the call that syncs)."""
+    if not checked:
+        yield
+        return
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 def graph_event(cfg: RunConfig, step: int) -> Optional[str]:

@@ -372,6 +372,18 @@ def test_dropless_layers_graphed_whole_with_the_capacity_chosen_on_the_device(tm
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
 
 
+def test_graphed_steps_with_the_capacity_chosen_on_the_device_make_no_host_sync(tmp_path):
+    """Megatron's schedule over the graphed layers under ``set_sync_debug_mode("error")``: no
+    host sync in a whole step's forward and backward with the capacity chosen on the device,
+    where the host choice (its counts read per layer call) fails the same check by name."""
+    _run(tmp_path / "device", MOE + DEVICE_CHOSEN_SETUPS["bf16"] + ["--sync-check", "1"], graphs="te_graph")
+    (tmp_path / "host").mkdir()
+    host = _example(tmp_path / "host", MOE + PARTIAL + ["--buckets", "1.0,1.25", "--sync-check", "1"],
+                    graphs="te_graph")
+    assert host.returncode != 0
+    assert "called a synchronizing CUDA operation" in host.stderr, host.stderr[-3000:]
+
+
 def test_the_capacity_chosen_on_the_device_refuses_fp8_by_name(tmp_path):
     done = _example(tmp_path, MOE + ["--buckets", "1.0,1.25", "--choose", "device", "--fp8", "delayed"],
                     graphs="te_graph")
