@@ -121,13 +121,31 @@ class CacheBlock(nn.Module):
         return torch.tanh(y), None
 
 
+class ScaledParameter(nn.Parameter):
+    """A parameter stored scaled down: a module reading one multiplies it back."""
+
+
+class SubclassParameterBlock(nn.Module):
+    """One of its parameters is a ``Parameter`` subclass, on whose class its forward dispatches."""
+
+    def __init__(self, device, dtype):
+        super().__init__()
+        self.lin = nn.Linear(HIDDEN, HIDDEN, device=device, dtype=dtype)
+        self.scale = ScaledParameter(torch.full((HIDDEN,), 0.25, device=device, dtype=dtype))
+
+    def forward(self, x, attention_mask=None):
+        scale = self.scale * 4 if isinstance(self.scale, ScaledParameter) else self.scale
+        return torch.tanh(self.lin(x) * scale), None
+
+
 # -- the setups ---------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Setup(harness.Row):
     """One training setup; every field has the plain default."""
 
     id: str
-    layer: str = "gpt"  # "gpt", "buffers", "containers", "single-use", "spare-parameter", "saved-output", "cache"
+    # "gpt", "buffers", "containers", "single-use", "spare-parameter", "saved-output", "cache", "subclass"
+    layer: str = "gpt"
     blocks: int = 3
     dropout: float = 0.0
     recompute: str = "none"  # "none", "reentrant", "non-reentrant"
@@ -173,6 +191,8 @@ SETUPS = [
     # Hooks, each kind, on a parameter the forward never reads: never run, as in eager code.
     Setup("hooks-on-a-spare-parameter", layer="spare-parameter",
           hooks=("tensor", "post_accumulate", "main_grad")),
+    # A Parameter subclass keeps its class where the capture stands in for it.
+    Setup("parameter-subclass", layer="subclass", hooks=("tensor",)),
     Setup("megatron-main-grad", hooks=("main_grad",), hooks_first=True, dropout=0.1, recompute="reentrant"),
     Setup("megatron-main-grad-after-graphing", hooks=("main_grad",), dropout=0.1),
     Setup("main-grad-uncloned", hooks=("main_grad",), hooks_first=True, options=(("clone_param_grads_on_return", False),)),
@@ -241,6 +261,8 @@ def _build(setup: Setup, device: str) -> list[nn.Module]:
             blocks.append(SavedOutputBlock(device, setup.dtype, setup.dropout))
         elif setup.layer == "cache":
             blocks.append(CacheBlock(device, setup.dtype))
+        elif setup.layer == "subclass":
+            blocks.append(SubclassParameterBlock(device, setup.dtype))
         else:
             blocks.append(ContainerBlock(device, setup.dtype))
     for block in blocks:

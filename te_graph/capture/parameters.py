@@ -58,7 +58,7 @@ class StandIns:
                     if p is None or not p.requires_grad or (wanted is not None and id(p) not in wanted):
                         continue
                     if id(p) not in self.of:
-                        stand_in = torch.nn.Parameter(p.detach(), requires_grad=True)
+                        stand_in = _stand_in(p)
                         if share_attributes or SEAM.is_quantized_parameter(p):
                             # A TE quantized weight keeps its state in Python attributes
                             # that its ops reassign (the FP8 transpose, made at first use,
@@ -114,6 +114,17 @@ class StandIns:
             for module, name, p in self._slots:
                 compat.parameter_slots(module)[name] = p
             SEAM.forget_stand_in_caches(self._modules)
+
+
+def _stand_in(p: torch.Tensor) -> torch.nn.Parameter:
+    """A new leaf on ``p``'s memory, of ``p``'s class where that is a subclass of ``Parameter``
+    (a forward may dispatch on it), made as ``Parameter`` makes itself, without the subclass's
+    own constructor, whose arguments are its own: its attributes follow with the dict."""
+    data = p.detach()
+    cls = type(p)
+    if issubclass(cls, torch.nn.Parameter) and cls is not torch.nn.Parameter and type(data) is torch.Tensor:
+        return torch.Tensor._make_subclass(cls, data, True)
+    return torch.nn.Parameter(data, requires_grad=True)
 
 
 # The backward nodes of reentrant checkpoints other than ours (torch.utils.checkpoint and
