@@ -144,6 +144,46 @@ def test_graphed_steps_wait_for_nothing_on_the_host():
     torch.cuda.synchronize()
 
 
+class WritesWhatAnotherSaved(nn.Module):
+    """Program 1 writes in place a tensor that program 0 saves for its backward. Under a capture
+    body 1 is captured after body 0, but one body runs per replay: no error at body 0's
+    backward, and the graphs train as eager."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(HIDDEN))
+        self.programs = [lambda t, u: t * u * self.w, lambda t, u: t * u.mul_(2) * self.w]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        index = (x.sum() > 0).long()  # on the device
+        return conditional.switched(index, self.programs, (x, x.detach().abs() + 1), module=self)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_body_writing_what_another_saved_trains_as_eager(device):
+    def run(mode: str) -> Trace:
+        torch.manual_seed(0)
+        model = WritesWhatAnotherSaved().to(device)
+        xs = [torch.randn(TOKENS, HIDDEN, device=device) + (-1) ** step for step in range(4)]
+        layer = model if mode == EAGER else te_graph.make_graphed_callables(
+            model, (xs[0].clone().requires_grad_(),), eager_replay=mode == EAGER_REPLAY)
+        trace = Trace()
+        for x in xs:
+            out = layer(x.requires_grad_())
+            out.square().mean().backward()
+            trace.microbatch(out, x)
+            trace.step(model.parameters())
+            with torch.no_grad():
+                model.w.sub_(0.1 * model.w.grad)
+            model.w.grad = None
+        trace.end(model.parameters())
+        return trace
+
+    want = run(EAGER)
+    for mode in GRAPHED[device]:
+        assert_same(run(mode), want, f"{mode} against eager")
+
+
 # -- CPU: the eager path and the refusals -----------------------------------------------------------
 def test_outside_a_capture_the_host_reads_the_index_and_runs_that_program():
     x = torch.randn(3, requires_grad=True)
@@ -334,3 +374,76 @@ def test_the_call_grad_mode_and_saved_tensor_hooks_around_the_node_stay_outside_
     out.sum().backward()
     assert ran == ["program"]
     assert_same(x.grad, torch.ones(3, 4) @ w.detach().t())
+
+
+def _written_after_save(case: str, run, recompute: bool) -> None:
+    """``case``'s in-place write to a tensor the backward reads, through ``run`` (a program
+    runner): the backward raises autograd's in-place error."""
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4, dtype=torch.float64)
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=case != "input")
+    programs = {"output": lambda t: t.exp().add_(1), "weight": lambda t: lin(t).tanh(), "input": lambda t: lin(t)}
+    out = run(programs[case], x, lin, recompute)
+    if case == "weight":
+        with torch.no_grad():
+            lin.weight.mul_(2)
+    if case == "input":
+        x.mul_(2)
+    out.sum().backward()
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["saved", "recomputed"])
+@pytest.mark.parametrize("case", ["output", "weight", "input"])
+def test_a_tensor_written_in_place_after_the_backward_saved_it_fails_as_in_eager(case, recompute):
+    """The node's saved-tensor hooks turn off autograd's version check; the node makes it
+    itself: where eager raises, switched raises too, instead of a silently wrong gradient."""
+    message = "one of the variables needed for gradient computation has been modified by an inplace operation"
+    with pytest.raises(RuntimeError, match=message):
+        _written_after_save(case, lambda program, x, lin, _: program(x), recompute)
+    with pytest.raises(RuntimeError, match=message):
+        _written_after_save(case, lambda program, x, lin, r: conditional.switched(
+            torch.tensor(0), [program], (x,), module=lin, recompute=r), recompute)
+
+
+def test_a_program_writing_its_input_in_place_trains_as_eager_and_recompute_refuses_it():
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4, dtype=torch.float64)
+    x = torch.randn(3, 4, dtype=torch.float64)
+    program = lambda t: lin(t.mul_(2))  # noqa: E731
+    eager_x, node_x = x.clone(), x.clone()
+    program(eager_x).sum().backward()
+    eager = lin.weight.grad.clone()
+    lin.zero_grad(set_to_none=True)
+    conditional.switched(torch.tensor(0), [program], (node_x,), module=lin).sum().backward()
+    assert_same([node_x, lin.weight.grad], [eager_x, eager])
+    with pytest.raises(conditional.ConditionalCaptureError, match=re.escape(
+            "switched(recompute=True): program 0 writes its input 0 in place, so the backward's run again would "
+            "start from the written value. Write it out of place, or use recompute=False")):
+        conditional.switched(torch.tensor(0), [program], (x.clone(),), module=lin, recompute=True)
+    with pytest.raises(conditional.ConditionalCaptureError, match=re.escape(
+            "switched: program 0 writes in place a tensor requiring grad that is a leaf of its graph: inside the "
+            "node each input requiring grad is one. Write it out of place (t = t * 2, not t.mul_(2))")):
+        conditional.switched(torch.tensor(0), [program], (x.clone().requires_grad_() * 1,), module=lin)
+
+
+def test_outside_a_capture_a_program_is_refused_what_its_body_would_be():
+    """The eager mirror refuses random numbers (and host waits, collectives) as the body does,
+    before the draw: the generator is as it was."""
+    x = torch.randn(3, 4, requires_grad=True)
+    state = torch.get_rng_state()
+    with pytest.raises(conditional.ConditionalCaptureError, match=re.escape(
+            "switched: program 1 (a body under a capture): aten.bernoulli_.float draws random numbers inside a "
+            "conditional body")):
+        conditional.switched(torch.tensor(1), [lambda t: t, lambda t: nn.functional.dropout(t, 0.5)], (x,))
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_a_parameter_read_through_a_reference_taken_before_the_call_is_refused_by_name():
+    experts = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+    weights = [e.weight for e in experts]
+    with pytest.raises(conditional.ConditionalCaptureError, match=re.escape(
+            "switched: program 1 reads a parameter of module ((4, 4) float32) through a reference taken before the "
+            "call; while a program runs the node puts aliases of them in module's slots: read it from the module "
+            "inside the program")):
+        conditional.switched(torch.tensor(1), [lambda t: t @ w for w in weights], (torch.randn(3, 4),),
+                             module=experts)

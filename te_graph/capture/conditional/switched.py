@@ -14,14 +14,13 @@ Python attributes, Megatron's ``main_grad`` included), whose gradients the node 
 real ones; every one gets a gradient, zeros where the program that ran left it unused. Under
 a capture this keeps autograd's accumulation of the real parameters on the capturing stream:
 the bodies run on a stream of their own, and autograd would otherwise join the two captures
-by an event (torch 2.11 then crashes in the driver). A program that trains anything else (a
-tensor requiring grad it closes over) is refused: its gradient would be lost. Everything a
-body may not hold (random numbers, collectives, events, host waits: see ``nodes``) stays out
-of the programs.
+by an event (torch 2.11 then crashes in the driver). A program training anything else is
+refused (its gradient would be lost), and so is, eagerly too, what a body may not hold.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
@@ -30,7 +29,7 @@ from checkpointing.recompute_state import cuda_stream_capturing
 
 from ... import compat
 from ..parameters import StandIns
-from .guards import ConditionalCaptureError
+from .guards import ConditionalCaptureError, in_body, program_guard
 from .nodes import switch
 from .runtime import capture_pool, prepare, retains_graph, runtime
 
@@ -107,6 +106,8 @@ class _State:
         self.recompute = recompute
         self.grad = torch.is_grad_enabled()  # the call's: its programs run so
         self.buffers_before: list = []
+        self.packed: Optional[list] = None  # while a forward body is captured: what its program saved
+        self.param_versions: tuple = ()  # with recompute: the parameters' as the forward left them
         self.bodies: Optional[dict] = None
         self.tupled: Optional[bool] = None
 
@@ -130,19 +131,25 @@ class _Switched(torch.autograd.Function):
         if state.recompute:
             ctx.save_for_backward(*inputs)
             state.buffers_before = kept
+        versions = _versions(inputs)
         with state.stand_ins.installed():
             if state.chosen is not None:
                 with _put_back_if_refused(kept):
                     leaves, produced = _run(state, state.chosen, inputs)
+                    _check_unwritten(state, state.chosen, inputs, versions)
                 outputs = tuple(_handed_out(o, leaves + state.aliases) for o in produced)
                 state.bodies = None if state.recompute else {state.chosen: (leaves, produced)}
             else:
-                captured, outputs = {}, None
+                captured, outputs, unwritten = {}, None, []
                 node = switch(state.index, len(state.programs), pool=state.pool)
                 with node:
                     for k, body in enumerate(node):
                         with body:
+                            state.packed = []
                             leaves, produced = _run(state, k, inputs)
+                            unwritten += [r for r in state.packed if r[0]._version == r[1]]
+                            state.packed = None
+                            _check_unwritten(state, k, inputs, versions)
                             if outputs is None:  # in the pool, like any of the body's allocations
                                 outputs = tuple(torch.empty_like(o, requires_grad=False) for o in produced)
                             _check_like(k, produced, outputs)
@@ -152,6 +159,11 @@ class _Switched(torch.autograd.Function):
                                 captured[k] = (leaves, produced)
                             del leaves, produced  # with recompute, the next body reuses their memory
                 state.bodies = None if state.recompute else captured
+                # The bodies were captured one after the other, but one runs per replay: a write
+                # of a later body to what an earlier one saved is none at its backward.
+                for record in unwritten:
+                    record[1] = record[0]._version
+        state.param_versions = _versions(state.aliases)
         # One rule whichever program runs: an output of a floating dtype takes a gradient.
         ctx.mark_non_differentiable(*(o for o in outputs if not (o.is_floating_point() or o.is_complex())))
         return outputs
@@ -188,6 +200,10 @@ def _recomputed_backward(ctx: Any, grads: tuple) -> list:
     after), then asked for its gradients (under a capture, in body ``k``)."""
     state, inputs = ctx.state, ctx.saved_tensors
     wanted = ctx.needs_input_grad[1:]
+    for alias, version in zip(state.aliases, state.param_versions):
+        if alias._version != version:
+            raise RuntimeError(_written_since("a parameter of module, which switched(recompute=True) reads again",
+                                              alias, version))
 
     def run_again(k: int) -> list:
         leaves, outputs = _run(state, k, inputs, grad=True)
@@ -230,9 +246,18 @@ def _run(state: _State, k: int, inputs: tuple, grad: Optional[bool] = None) -> t
     node's backward (under a capture, a node inside a body)."""
     grad = state.grad if grad is None else grad
     with torch.enable_grad() if grad else torch.no_grad(), \
-            torch.autograd.graph.saved_tensors_hooks(_same, _same):
+            torch.autograd.graph.saved_tensors_hooks(functools.partial(_pack, state), _unpack), \
+            contextlib.nullcontext() if in_body() else program_guard(f"switched: program {k} (a body under a capture)"):
         leaves = tuple(t.detach().requires_grad_(t.requires_grad and grad) for t in inputs)
-        result = state.programs[k](*leaves)
+        try:
+            result = state.programs[k](*leaves)
+        except RuntimeError as error:
+            if "leaf Variable that requires grad is being used in an in-place operation" not in str(error):
+                raise
+            raise ConditionalCaptureError(
+                f"switched: program {k} writes in place a tensor requiring grad that is a leaf of its graph: "
+                "inside the node each input requiring grad is one. Write it out of place (t = t * 2, not "
+                "t.mul_(2))") from error
     tupled = isinstance(result, tuple)
     if state.tupled is not None and tupled != state.tupled:
         raise ConditionalCaptureError(f"switched: program {k} returns {'a tuple' if tupled else 'a tensor'}, an "
@@ -242,12 +267,44 @@ def _run(state: _State, k: int, inputs: tuple, grad: Optional[bool] = None) -> t
     if any(not isinstance(o, torch.Tensor) for o in outputs):
         raise TypeError(f"switched: program {k} must return tensors")
     if grad:
-        _check_graph(k, outputs, state.own | {id(t) for t in leaves})
+        _check_graph(k, outputs, state.own | {id(t) for t in leaves}, state.stand_ins)
     return leaves, outputs
 
 
-def _same(tensor: torch.Tensor) -> torch.Tensor:
+def _pack(state: _State, tensor: torch.Tensor) -> list:
+    record = [tensor, tensor._version]
+    if state.packed is not None:
+        state.packed.append(record)
+    return record
+
+
+def _unpack(record: list) -> torch.Tensor:
+    """A saved tensor as the program saved it. Saved-tensor hooks turn off autograd's own check
+    that a saved tensor was not written in place since, so it is made here, with eager's error."""
+    tensor, version = record  # (the version, under a capture, as the node left it: see forward)
+    if tensor._version != version:
+        raise RuntimeError(_written_since("a tensor a program of switched saved for its backward", tensor, version))
     return tensor
+
+
+def _versions(tensors: Sequence[torch.Tensor]) -> tuple:
+    return tuple(t._version for t in tensors)
+
+
+def _check_unwritten(state: _State, k: int, inputs: tuple, versions: tuple) -> None:
+    """With recompute, refuse a program that writes an input in place: the backward's run again
+    would start from the written value."""
+    written = [i for i, (t, v) in enumerate(zip(inputs, versions)) if t._version != v]
+    if state.recompute and written:
+        raise ConditionalCaptureError(
+            f"switched(recompute=True): program {k} writes its input {written[0]} in place, so the backward's run "
+            "again would start from the written value. Write it out of place, or use recompute=False")
+
+
+def _written_since(what: str, tensor: torch.Tensor, version: int) -> str:
+    return (f"one of the variables needed for gradient computation has been modified by an inplace operation: "
+            f"{what} ({tuple(tensor.shape)} {str(tensor.dtype).replace('torch.', '')}) is at version "
+            f"{tensor._version}; expected version {version} instead. Write it after the backward, or out of place")
 
 
 def _grads(sources: tuple, outputs: tuple, grads: tuple, wanted: tuple, retain: bool) -> list:
@@ -270,7 +327,7 @@ def _grads(sources: tuple, outputs: tuple, grads: tuple, wanted: tuple, retain: 
 _REENTRANT = frozenset({"_ReentrantCheckpointBackward", "CheckpointFunctionBackward", "_CheckpointFunctionBackward"})
 
 
-def _check_graph(k: int, outputs: tuple, own: set) -> None:
+def _check_graph(k: int, outputs: tuple, own: set, stand_ins: StandIns) -> None:
     """Refuse a program whose outputs' autograd graph reaches a leaf other than its own leaves
     and aliases (a tensor requiring grad it closes over, a parameter of another module, an
     activation made outside): the node asks only for its own, so that gradient would be lost;
@@ -288,6 +345,12 @@ def _check_graph(k: int, outputs: tuple, own: set) -> None:
                 "refuses the torch.autograd.grad the node's backward asks with: use a non-reentrant checkpoint "
                 "(use_reentrant=False), or switched(recompute=True), which runs the program again itself")
         variable = node.variable if compat.is_accumulate_grad(node) else None
+        if variable is not None and id(variable) in stand_ins.of:
+            raise ConditionalCaptureError(
+                f"switched: program {k} reads a parameter of module ({tuple(variable.shape)} "
+                f"{str(variable.dtype).replace('torch.', '')}) through a reference taken before the call; while "
+                "a program runs the node puts aliases of them in module's slots: read it from the module inside "
+                "the program")
         if variable is not None and id(variable) not in own:
             raise ConditionalCaptureError(
                 f"switched: program {k} trains a tensor it closes over ({tuple(variable.shape)} "
