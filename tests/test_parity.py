@@ -122,7 +122,10 @@ class CacheBlock(nn.Module):
 
 
 class ScaledParameter(nn.Parameter):
-    """A parameter stored scaled down: a module reading one multiplies it back."""
+    """A parameter stored scaled down: a module reading one multiplies it back by ``factor``
+    (kept in a slot, no part of the attribute dict)."""
+
+    __slots__ = ("factor",)
 
 
 class SubclassParameterBlock(nn.Module):
@@ -132,9 +135,10 @@ class SubclassParameterBlock(nn.Module):
         super().__init__()
         self.lin = nn.Linear(HIDDEN, HIDDEN, device=device, dtype=dtype)
         self.scale = ScaledParameter(torch.full((HIDDEN,), 0.25, device=device, dtype=dtype))
+        self.scale.factor = 4.0
 
     def forward(self, x, attention_mask=None):
-        scale = self.scale * 4 if isinstance(self.scale, ScaledParameter) else self.scale
+        scale = self.scale * self.scale.factor if isinstance(self.scale, ScaledParameter) else self.scale
         return torch.tanh(self.lin(x) * scale), None
 
 

@@ -426,16 +426,50 @@ def test_a_program_writing_its_input_in_place_trains_as_eager_and_recompute_refu
         conditional.switched(torch.tensor(0), [program], (x.clone().requires_grad_() * 1,), module=lin)
 
 
-def test_outside_a_capture_a_program_is_refused_what_its_body_would_be():
-    """The eager mirror refuses random numbers (and host waits, collectives) as the body does,
-    before the draw: the generator is as it was."""
+def test_with_recompute_a_program_drawing_random_numbers_is_refused_and_the_generator_put_back():
+    """The run again would draw other numbers (under a capture a body refuses the draw)."""
     x = torch.randn(3, 4, requires_grad=True)
     state = torch.get_rng_state()
     with pytest.raises(conditional.ConditionalCaptureError, match=re.escape(
-            "switched: program 1 (a body under a capture): aten.bernoulli_.float draws random numbers inside a "
-            "conditional body")):
-        conditional.switched(torch.tensor(1), [lambda t: t, lambda t: nn.functional.dropout(t, 0.5)], (x,))
+            "switched(recompute=True): program 1 draws random numbers, so the backward's run again would draw "
+            "others (and a body refuses them under a capture). Draw before the node, into a tensor the program "
+            "reads, or use recompute=False")):
+        conditional.switched(torch.tensor(1), [lambda t: t, lambda t: nn.functional.dropout(t, 0.5)], (x,),
+                             recompute=True)
     assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_with_recompute_the_parameters_a_program_reads_are_checked_those_it_does_not_are_free():
+    """A weight the program does not read may change before the backward (eager trains); one
+    it reads may not (the run again would read the new value); a run again that writes one
+    (an embedding's max_norm) takes a second backward."""
+    torch.manual_seed(0)
+    model, direct = TwoLinears(), TwoLinears()
+    direct.load_state_dict(model.state_dict())
+    x = torch.randn(3, 4)
+    for net, run in ((model, lambda t: conditional.switched(torch.tensor(0), model.programs, (t,), module=model,
+                                                              recompute=True)), (direct, direct.programs[0])):
+        y = x.clone().requires_grad_()
+        out = run(y)
+        with torch.no_grad():
+            net.b.weight.mul_(2)  # program 0 reads a only
+        out.sum().backward()
+        net.grads = [y.grad, net.a.weight.grad]
+    assert_same(model.grads, direct.grads)
+    out = conditional.switched(torch.tensor(0), model.programs, (x,), module=model, recompute=True)
+    with torch.no_grad():
+        model.a.weight.mul_(2)
+    with pytest.raises(RuntimeError, match=re.escape(
+            "one of the variables needed for gradient computation has been modified by an inplace operation: a "
+            "parameter of module, which switched(recompute=True) reads again ((4, 4) float32)")):
+        out.sum().backward()
+    embedding = nn.Embedding(10, 4, max_norm=1.0)
+    with torch.no_grad():
+        embedding.weight.mul_(3)
+    out = conditional.switched(torch.tensor(0), [embedding], (torch.tensor([1, 2, 1]),), module=embedding,
+                               recompute=True)
+    out.sum().backward(retain_graph=True)
+    out.sum().backward()
 
 
 def test_a_parameter_read_through_a_reference_taken_before_the_call_is_refused_by_name():

@@ -119,12 +119,19 @@ class StandIns:
 def _stand_in(p: torch.Tensor) -> torch.nn.Parameter:
     """A new leaf on ``p``'s memory, of ``p``'s class where that is a subclass of ``Parameter``
     (a forward may dispatch on it), made as ``Parameter`` makes itself, without the subclass's
-    own constructor, whose arguments are its own: its attributes follow with the dict."""
+    own constructor, whose arguments are its own: its attributes follow with the dict, its
+    slots as copies."""
     data = p.detach()
     cls = type(p)
-    if issubclass(cls, torch.nn.Parameter) and cls is not torch.nn.Parameter and type(data) is torch.Tensor:
-        return torch.Tensor._make_subclass(cls, data, True)
-    return torch.nn.Parameter(data, requires_grad=True)
+    if not (issubclass(cls, torch.nn.Parameter) and cls is not torch.nn.Parameter and type(data) is torch.Tensor):
+        return torch.nn.Parameter(data, requires_grad=True)
+    stand_in = torch.Tensor._make_subclass(cls, data, True)
+    for klass in cls.__mro__:  # state in __slots__ is no part of the dict: copied
+        slots = getattr(klass, "__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name not in ("__dict__", "__weakref__") and hasattr(p, name):
+                setattr(stand_in, name, getattr(p, name))
+    return stand_in
 
 
 # The backward nodes of reentrant checkpoints other than ours (torch.utils.checkpoint and

@@ -32,8 +32,8 @@ import torch
 
 from ... import compat
 
-__all__ = ["ConditionalCaptureError", "body_guard", "program_guard", "in_body", "pause_collector",
-           "resume_collector", "collector_paused"]
+__all__ = ["ConditionalCaptureError", "body_guard", "in_body", "pause_collector", "resume_collector",
+           "collector_paused"]
 
 _COLLECTIVES = ("c10d", "_c10d_functional", "c10d_functional", "_dtensor")
 _STREAM_CALLS = (("Event", "record"), ("Event", "wait"), ("Stream", "wait_event"), ("Stream", "wait_stream"),
@@ -146,13 +146,6 @@ def _stream_calls_refused() -> Iterator[None]:
                         delattr(cls, name)
                     else:
                         setattr(cls, name, own)
-
-
-def program_guard(name: str) -> Any:
-    """Refuse in code run outside a capture what its body would refuse under one (random
-    numbers, host waits, collectives, seen by torch's dispatcher), so that the eager mirror of
-    a conditional refuses as its graph does instead of training where the graph cannot."""
-    return _BodyOps(name)
 
 
 @contextlib.contextmanager

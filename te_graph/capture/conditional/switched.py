@@ -21,15 +21,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Callable, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
 from checkpointing.recompute_state import cuda_stream_capturing
 
-from ... import compat
 from ..parameters import StandIns
-from .guards import ConditionalCaptureError, in_body, program_guard
+from . import checks
+from .guards import ConditionalCaptureError
 from .nodes import switch
 from .runtime import capture_pool, prepare, retains_graph, runtime
 
@@ -107,7 +107,8 @@ class _State:
         self.grad = torch.is_grad_enabled()  # the call's: its programs run so
         self.buffers_before: list = []
         self.packed: Optional[list] = None  # while a forward body is captured: what its program saved
-        self.param_versions: tuple = ()  # with recompute: the parameters' as the forward left them
+        self.used: set = set()  # ids of the leaves and aliases the programs' graphs reached
+        self.param_versions: tuple = ()  # with recompute: (alias, version) of the aliases read
         self.bodies: Optional[dict] = None
         self.tupled: Optional[bool] = None
 
@@ -127,16 +128,18 @@ class _Switched(torch.autograd.Function):
         ctx.state = state
         # The module's buffers as the programs find them: a refusal outside a capture puts them
         # back, the run again of recompute starts from them.
-        kept = _buffers(state.module) if state.recompute or state.chosen is not None else []
+        kept = checks.buffers(state.module) if state.recompute or state.chosen is not None else []
         if state.recompute:
             ctx.save_for_backward(*inputs)
             state.buffers_before = kept
-        versions = _versions(inputs)
+        versions = checks.versions(inputs)
         with state.stand_ins.installed():
             if state.chosen is not None:
-                with _put_back_if_refused(kept):
+                drawn = checks.generator_states(inputs) if state.recompute else []
+                with checks.put_back_if_refused(kept, drawn):
                     leaves, produced = _run(state, state.chosen, inputs)
-                    _check_unwritten(state, state.chosen, inputs, versions)
+                    checks.check_unwritten(state, state.chosen, inputs, versions)
+                    checks.check_no_draw(state.chosen, drawn)
                 outputs = tuple(_handed_out(o, leaves + state.aliases) for o in produced)
                 state.bodies = None if state.recompute else {state.chosen: (leaves, produced)}
             else:
@@ -145,14 +148,14 @@ class _Switched(torch.autograd.Function):
                 with node:
                     for k, body in enumerate(node):
                         with body:
-                            state.packed = []
+                            state.packed = None if state.recompute else []  # (recompute: never read)
                             leaves, produced = _run(state, k, inputs)
-                            unwritten += [r for r in state.packed if r[0]._version == r[1]]
+                            unwritten += [r for r in state.packed or () if r[0]._version == r[1]]
                             state.packed = None
-                            _check_unwritten(state, k, inputs, versions)
+                            checks.check_unwritten(state, k, inputs, versions)
                             if outputs is None:  # in the pool, like any of the body's allocations
                                 outputs = tuple(torch.empty_like(o, requires_grad=False) for o in produced)
-                            _check_like(k, produced, outputs)
+                            checks.check_like(k, produced, outputs)
                             for buffer, output in zip(outputs, produced):
                                 buffer.copy_(output.detach())
                             if not state.recompute:
@@ -163,7 +166,7 @@ class _Switched(torch.autograd.Function):
                 # of a later body to what an earlier one saved is none at its backward.
                 for record in unwritten:
                     record[1] = record[0]._version
-        state.param_versions = _versions(state.aliases)
+        checks.note_param_versions(state)
         # One rule whichever program runs: an output of a floating dtype takes a gradient.
         ctx.mark_non_differentiable(*(o for o in outputs if not (o.is_floating_point() or o.is_complex())))
         return outputs
@@ -200,16 +203,14 @@ def _recomputed_backward(ctx: Any, grads: tuple) -> list:
     after), then asked for its gradients (under a capture, in body ``k``)."""
     state, inputs = ctx.state, ctx.saved_tensors
     wanted = ctx.needs_input_grad[1:]
-    for alias, version in zip(state.aliases, state.param_versions):
-        if alias._version != version:
-            raise RuntimeError(_written_since("a parameter of module, which switched(recompute=True) reads again",
-                                              alias, version))
+    checks.check_params_unwritten(state)
 
     def run_again(k: int) -> list:
         leaves, outputs = _run(state, k, inputs, grad=True)
+        checks.note_param_versions(state)  # the run again may write them (an embedding's max_norm)
         return _grads(leaves + state.aliases, outputs, grads, wanted, False)
 
-    with state.stand_ins.installed(), _buffers_as(state.buffers_before):
+    with state.stand_ins.installed(), checks.buffers_as(state.buffers_before):
         if state.chosen is not None:
             return run_again(state.chosen)
         return _backward_node(state, tuple(inputs) + state.aliases, wanted, run_again)
@@ -246,8 +247,7 @@ def _run(state: _State, k: int, inputs: tuple, grad: Optional[bool] = None) -> t
     node's backward (under a capture, a node inside a body)."""
     grad = state.grad if grad is None else grad
     with torch.enable_grad() if grad else torch.no_grad(), \
-            torch.autograd.graph.saved_tensors_hooks(functools.partial(_pack, state), _unpack), \
-            contextlib.nullcontext() if in_body() else program_guard(f"switched: program {k} (a body under a capture)"):
+            torch.autograd.graph.saved_tensors_hooks(functools.partial(checks.pack, state), checks.unpack):
         leaves = tuple(t.detach().requires_grad_(t.requires_grad and grad) for t in inputs)
         try:
             result = state.programs[k](*leaves)
@@ -267,44 +267,8 @@ def _run(state: _State, k: int, inputs: tuple, grad: Optional[bool] = None) -> t
     if any(not isinstance(o, torch.Tensor) for o in outputs):
         raise TypeError(f"switched: program {k} must return tensors")
     if grad:
-        _check_graph(k, outputs, state.own | {id(t) for t in leaves}, state.stand_ins)
+        state.used |= checks.check_graph(k, outputs, state.own | {id(t) for t in leaves}, state.stand_ins)
     return leaves, outputs
-
-
-def _pack(state: _State, tensor: torch.Tensor) -> list:
-    record = [tensor, tensor._version]
-    if state.packed is not None:
-        state.packed.append(record)
-    return record
-
-
-def _unpack(record: list) -> torch.Tensor:
-    """A saved tensor as the program saved it. Saved-tensor hooks turn off autograd's own check
-    that a saved tensor was not written in place since, so it is made here, with eager's error."""
-    tensor, version = record  # (the version, under a capture, as the node left it: see forward)
-    if tensor._version != version:
-        raise RuntimeError(_written_since("a tensor a program of switched saved for its backward", tensor, version))
-    return tensor
-
-
-def _versions(tensors: Sequence[torch.Tensor]) -> tuple:
-    return tuple(t._version for t in tensors)
-
-
-def _check_unwritten(state: _State, k: int, inputs: tuple, versions: tuple) -> None:
-    """With recompute, refuse a program that writes an input in place: the backward's run again
-    would start from the written value."""
-    written = [i for i, (t, v) in enumerate(zip(inputs, versions)) if t._version != v]
-    if state.recompute and written:
-        raise ConditionalCaptureError(
-            f"switched(recompute=True): program {k} writes its input {written[0]} in place, so the backward's run "
-            "again would start from the written value. Write it out of place, or use recompute=False")
-
-
-def _written_since(what: str, tensor: torch.Tensor, version: int) -> str:
-    return (f"one of the variables needed for gradient computation has been modified by an inplace operation: "
-            f"{what} ({tuple(tensor.shape)} {str(tensor.dtype).replace('torch.', '')}) is at version "
-            f"{tensor._version}; expected version {version} instead. Write it after the backward, or out of place")
 
 
 def _grads(sources: tuple, outputs: tuple, grads: tuple, wanted: tuple, retain: bool) -> list:
@@ -319,83 +283,3 @@ def _grads(sources: tuple, outputs: tuple, grads: tuple, wanted: tuple, retain: 
         grad = next(found) if w and source.requires_grad else None
         result.append(None if not w else torch.zeros_like(source) if grad is None else grad)
     return result
-
-
-# The backward nodes of reentrant checkpoints (te_graph's, torch's use_reentrant=True and
-# Megatron's, Transformer Engine's): their backward refuses torch.autograd.grad, which the
-# node's backward is.
-_REENTRANT = frozenset({"_ReentrantCheckpointBackward", "CheckpointFunctionBackward", "_CheckpointFunctionBackward"})
-
-
-def _check_graph(k: int, outputs: tuple, own: set, stand_ins: StandIns) -> None:
-    """Refuse a program whose outputs' autograd graph reaches a leaf other than its own leaves
-    and aliases (a tensor requiring grad it closes over, a parameter of another module, an
-    activation made outside): the node asks only for its own, so that gradient would be lost;
-    or holds a reentrant checkpoint, whose backward the node's cannot run."""
-    seen: set = set()
-    stack = [o.grad_fn for o in outputs if o.grad_fn is not None]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if type(node).__name__ in _REENTRANT:
-            raise ConditionalCaptureError(
-                f"switched: program {k} holds a reentrant checkpoint ({type(node).__name__}), whose backward "
-                "refuses the torch.autograd.grad the node's backward asks with: use a non-reentrant checkpoint "
-                "(use_reentrant=False), or switched(recompute=True), which runs the program again itself")
-        variable = node.variable if compat.is_accumulate_grad(node) else None
-        if variable is not None and id(variable) in stand_ins.of:
-            raise ConditionalCaptureError(
-                f"switched: program {k} reads a parameter of module ({tuple(variable.shape)} "
-                f"{str(variable.dtype).replace('torch.', '')}) through a reference taken before the call; while "
-                "a program runs the node puts aliases of them in module's slots: read it from the module inside "
-                "the program")
-        if variable is not None and id(variable) not in own:
-            raise ConditionalCaptureError(
-                f"switched: program {k} trains a tensor it closes over ({tuple(variable.shape)} "
-                f"{str(variable.dtype).replace('torch.', '')}), whose gradient the node would lose: pass it as an "
-                "input, or its module as module=")
-        stack.extend(next_node for next_node, _ in node.next_functions)
-
-
-def _buffers(module: Optional[torch.nn.Module]) -> list:
-    """(buffer, a copy of it) of every buffer of ``module``."""
-    return [] if module is None else [(b, b.clone()) for b in module.buffers()]
-
-
-@contextlib.contextmanager
-def _buffers_as(kept: list) -> Iterator[None]:
-    """Inside: the buffers as ``kept`` has them; after: as they were on entry."""
-    now = [(b, b.clone()) for b, _ in kept]
-    for b, value in kept:
-        b.data.copy_(value)  # .data: a node that saved the buffer sees its version unchanged
-    try:
-        yield
-    finally:
-        for b, value in now:
-            b.data.copy_(value)
-
-
-@contextlib.contextmanager
-def _put_back_if_refused(kept: list) -> Iterator[None]:
-    """Outside a capture: a refusal after the program ran puts the buffers back as ``kept`` has them."""
-    try:
-        yield
-    except BaseException:
-        for b, value in kept:
-            b.data.copy_(value)
-        raise
-
-
-def _check_like(k: int, outputs: tuple, shared: tuple) -> None:
-    """Every program returns tensors of one structure, shapes and dtypes: the bodies share
-    their output buffers."""
-    if len(outputs) != len(shared):
-        raise ConditionalCaptureError(f"switched: program {k} returns {len(outputs)} tensors, program 0 "
-                                      f"{len(shared)}; every program must return the same tensors")
-    for i, (o, s) in enumerate(zip(outputs, shared)):
-        if o.shape != s.shape or o.dtype != s.dtype or o.device != s.device:
-            raise ConditionalCaptureError(
-                f"switched: output {i} of program {k} is {tuple(o.shape)} {o.dtype} on {o.device}, program 0's "
-                f"{tuple(s.shape)} {s.dtype} on {s.device}; every program must return the same shapes and dtypes")
