@@ -121,6 +121,21 @@ class CacheBlock(nn.Module):
         return torch.tanh(y), None
 
 
+class SavedCacheBlock(nn.Module):
+    """Updates its running-state input in place, then multiplies by it (the product saves it
+    for the backward): called with the very tensor it was graphed with, the update lands in
+    the graph's own input buffer."""
+
+    def __init__(self, device, dtype):
+        super().__init__()
+        self.lin = nn.Linear(HIDDEN, HIDDEN, device=device, dtype=dtype)
+
+    def forward(self, x, cache):
+        with torch.no_grad():
+            cache.mul_(0.5).add_(1.0)
+        return torch.tanh(self.lin(x) * cache), None
+
+
 class ScaledParameter(nn.Parameter):
     """A parameter stored scaled down: a module reading one multiplies it back by ``factor``
     (kept in a slot, no part of the attribute dict)."""
@@ -148,7 +163,8 @@ class Setup(harness.Row):
     """One training setup; every field has the plain default."""
 
     id: str
-    # "gpt", "buffers", "containers", "single-use", "spare-parameter", "saved-output", "cache", "subclass"
+    # "gpt", "buffers", "containers", "single-use", "spare-parameter", "saved-output", "cache",
+    # "saved-cache" (its running state the tensor it was graphed with), "subclass"
     layer: str = "gpt"
     blocks: int = 3
     dropout: float = 0.0
@@ -219,6 +235,7 @@ SETUPS = [
     Setup("hook-on-graphed-output", layer="single-use", flow="output-hook"),
     # Inputs the callable updates in place, and inputs sharing a static buffer's memory.
     Setup("input-updated-in-place", layer="cache", dropout=0.1),
+    Setup("input-updated-in-place-is-the-sample", layer="saved-cache"),
     Setup("input-at-the-sample-address-other-strides", dropout=0.1, input_from="buffer-strided"),
     Setup("input-overlapping-the-sample", dropout=0.1, input_from="buffer-overlap"),
 ]
@@ -265,6 +282,8 @@ def _build(setup: Setup, device: str) -> list[nn.Module]:
             blocks.append(SavedOutputBlock(device, setup.dtype, setup.dropout))
         elif setup.layer == "cache":
             blocks.append(CacheBlock(device, setup.dtype))
+        elif setup.layer == "saved-cache":
+            blocks.append(SavedCacheBlock(device, setup.dtype))
         elif setup.layer == "subclass":
             blocks.append(SubclassParameterBlock(device, setup.dtype))
         else:
@@ -280,7 +299,7 @@ def _samples(setup: Setup, layers: list, device: str, seq: int, buffer=None) -> 
         (torch.randn(seq, BATCH, HIDDEN, generator=g).to(device, setup.dtype).requires_grad_(True),)
         for _ in layers
     ]
-    if setup.layer == "cache":  # the cache sample: its own tensor, not the cache trained with
+    if setup.layer in ("cache", "saved-cache"):  # the cache sample (with "cache" not the cache trained with)
         samples = [x + (torch.randn(BATCH, HIDDEN, generator=g).to(device, setup.dtype),) for x in samples]
     if buffer is not None:  # the first layer's sample lies at the start of a bigger buffer
         samples[0] = (buffer[:seq].requires_grad_(True),)
@@ -300,11 +319,11 @@ def _first_input(setup: Setup, buffer, data, seq: int, device: str):
     return buffer[seq // 2: seq // 2 + seq]  # "buffer-overlap"
 
 
-def _graph(setup: Setup, layers: list, device: str, mode: str, buffer=None) -> list:
-    first, *rest = setup.seq_lengths
+def _graph(setup: Setup, layers: list, device: str, mode: str, samples: tuple) -> list:
+    _, *rest = setup.seq_lengths
     more = [Samples(_samples(setup, layers, device, s)) for s in rest]
     graphed = make_graphed_callables(
-        tuple(layers), _samples(setup, layers, device, first, buffer), more_shapes=more,
+        tuple(layers), samples, more_shapes=more,
         eager_replay=harness.eager_replay(mode), get_rng_state_tracker=lambda: _tracker(setup, device),
         **dict(setup.options),
     )
@@ -384,11 +403,14 @@ def train(setup: Setup, mode: str, device: str, steps: int = 3, micro: int = 2) 
     if setup.input_from != "fresh":  # the buffer the first sample lies in, and the inputs too
         seq = setup.seq_lengths[0]
         buffer = torch.randn(2 * seq, BATCH, HIDDEN, generator=torch.Generator().manual_seed(3)).to(device, setup.dtype)
+    samples = _samples(setup, layers, device, setup.seq_lengths[0], buffer)
     if mode != EAGER:
-        layers = _graph(setup, layers, device, mode, buffer=buffer)
+        layers = _graph(setup, layers, device, mode, samples)
     caches = []
-    if setup.layer == "cache":  # each layer's running state, updated in place by its calls
+    if setup.layer in ("cache", "saved-cache"):  # each layer's running state, updated in place by its calls
         caches = [torch.zeros(BATCH, HIDDEN, device=device, dtype=setup.dtype) for _ in layers]
+        if setup.layer == "saved-cache":  # the very tensors the layers were graphed with
+            caches = [sample[1] for sample in samples]
         layers = [lambda h, layer=layer, cache=cache: layer(h, cache) for layer, cache in zip(layers, caches)]
     if not setup.hooks_first:
         keep = _install_hooks(setup, params, trace)

@@ -37,6 +37,8 @@ def takes_keyword(call: Callable, name: str) -> bool:
 class EagerRunner(Runner):
     """Same wrapper, no graphs: runs the callable on the static buffers at every call."""
 
+    forward_moves_versions = True
+
     def __init__(self, spec: GraphSpec, warmup: WarmupRecord, precision: Any, context: ReplayContext):
         super().__init__(spec, warmup, context)
         self.spec = spec

@@ -66,6 +66,7 @@ class Runner:
     output: Any
     non_differentiable: tuple[int, ...] = ()
     multi_output: bool = False
+    forward_moves_versions = False  # whether its forward's in-place ops move the versions (eagerly)
 
     def __init__(self, spec: GraphSpec, warmup: WarmupRecord, context: ReplayContext):
         self.name = spec.name
@@ -234,7 +235,10 @@ class Runner:
         for index in self.updated:
             slot, t = self.input_slots[index], inputs[index]
             if t.data_ptr() == slot.ptr and t.stride() == slot.stride:
-                compat.bump_version(t)  # it is the static buffer: the update is in it
+                # It is the static buffer: the update is in it. A graph wrote it without
+                # autograd knowing; an eager forward's in-place ops moved the version themselves.
+                if not self.forward_moves_versions:
+                    compat.bump_version(t)
                 continue
             storage = t.untyped_storage()
             shares = slot.lo <= t.data_ptr() < slot.hi or storage.data_ptr() <= slot.ptr < storage.data_ptr() + storage.nbytes()
