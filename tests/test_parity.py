@@ -53,6 +53,21 @@ class BufferedBlock(nn.Module):
         return torch.tanh(y), None
 
 
+class ListStatsBlock(nn.Module):
+    """Keeps a running statistic in a list attribute (no buffer), updated in place and read."""
+
+    def __init__(self, device, dtype):
+        super().__init__()
+        self.lin = nn.Linear(HIDDEN, HIDDEN, device=device, dtype=dtype)
+        self.stats = [torch.zeros(HIDDEN, device=device, dtype=dtype)]
+
+    def forward(self, x, attention_mask=None):
+        y = self.lin(x)
+        with torch.no_grad():
+            self.stats[0].mul_(0.9).add_(y.mean(dim=(0, 1)), alpha=0.1)
+        return torch.tanh(y) + self.stats[0], None
+
+
 class ContainerBlock(nn.Module):
     """A reentrant checkpoint whose function returns a dict of tensors and a constant."""
 
@@ -164,7 +179,7 @@ class Setup(harness.Row):
 
     id: str
     # "gpt", "buffers", "containers", "single-use", "spare-parameter", "saved-output", "cache",
-    # "saved-cache" (its running state the tensor it was graphed with), "subclass"
+    # "saved-cache" (its running state the tensor it was graphed with), "subclass", "list-stats"
     layer: str = "gpt"
     blocks: int = 3
     dropout: float = 0.0
@@ -219,6 +234,7 @@ SETUPS = [
     Setup("grads-through-autograd", options=(("accumulate_grads_in_graph", False),)),
     Setup("set-to-none", set_to_none=True, dropout=0.1),
     Setup("buffers", layer="buffers"),
+    Setup("running-statistic-in-a-list", layer="list-stats"),
     Setup("containers", layer="containers"),
     Setup("output-read-by-its-backward", layer="saved-output", dropout=0.1),
     Setup("output-read-by-its-backward-stack", layer="saved-output", dropout=0.1, stack=True),
@@ -282,6 +298,8 @@ def _build(setup: Setup, device: str) -> list[nn.Module]:
             blocks.append(SavedOutputBlock(device, setup.dtype, setup.dropout))
         elif setup.layer == "cache":
             blocks.append(CacheBlock(device, setup.dtype))
+        elif setup.layer == "list-stats":
+            blocks.append(ListStatsBlock(device, setup.dtype))
         elif setup.layer == "saved-cache":
             blocks.append(SavedCacheBlock(device, setup.dtype))
         elif setup.layer == "subclass":

@@ -41,7 +41,7 @@ from .. import compat
 from ..compat import MODULE_INTERNALS
 from ..memory import shares_memory
 
-__all__ = ["ModuleState", "InputUpdates", "SCALAR_TYPES"]
+__all__ = ["ModuleState", "SCALAR_TYPES", "attribute_tensors"]
 
 SCALAR_TYPES = (bool, int, float, str, type(None))
 class _Attr:
@@ -98,6 +98,9 @@ class ModuleState:
             if type(value) is torch.Tensor and key not in MODULE_INTERNALS
             for attr in (_Attr(owner, sub, key, prefix),)
         ]
+        # The plain tensors one container deep, with their values (a running statistic in a list).
+        self._contained = [(t, t.detach().clone()) for *_, sub in self._watched
+                           for t in attribute_tensors(sub, contained_only=True)]
         self._maxnorm = [(m.weight, m.weight.detach().clone()) for m in _renorming(modules.values())]
         self._versions = [compat.version_of(p) for *_, p in self._params]
         self._last = self._observe()  # what the previous pass left
@@ -256,15 +259,14 @@ class ModuleState:
             for key, value in list(sub.__dict__.items()):
                 if key in MODULE_INTERNALS:
                     continue
-                items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple, set)) else (value,)
-                for item in items:
+                for item in _contents(value) or (value,):
                     if isinstance(item, torch.Tensor):
                         yield _Attr(owner, sub, key, prefix), item
 
     # -- afterwards ---------------------------------------------------------------------------
     def restore(self, succeeded: bool) -> None:
-        """Put every buffer, tensor attribute and renormalised embedding back (object and
-        value); after a failure, every attribute of the watched modules too, and the contents
+        """Put every buffer, tensor attribute (value too where one container deep) and
+        renormalised embedding back (object and value); after a failure, every attribute of the watched modules too, and the contents
         of their lists, dicts and sets (after a success they keep what warmup set once: lazy
         initialisation)."""
         with torch.no_grad():
@@ -273,6 +275,8 @@ class ModuleState:
                 buffer.copy_(saved)
             for attr, tensor, saved in self._tensors:
                 attr.module.__dict__[attr.key] = tensor
+                tensor.copy_(saved)
+            for tensor, saved in self._contained:
                 tensor.copy_(saved)
             for weight, saved in self._maxnorm:
                 weight.copy_(saved)
@@ -322,6 +326,23 @@ def _changed(before: tuple, after: tuple) -> bool:
     return before[1] != after[1]
 
 
+def attribute_tensors(module: torch.nn.Module, contained_only: bool = False) -> list[torch.Tensor]:
+    """The plain tensors (no parameters) ``module`` holds in its attributes, directly or one
+    container deep (``contained_only``: those in a container alone), each once."""
+    found = {}
+    for key, value in list(module.__dict__.items()):
+        if key not in MODULE_INTERNALS:
+            for t in _contents(value) or (() if contained_only else (value,)):
+                if type(t) is torch.Tensor:
+                    found[id(t)] = t
+    return list(found.values())
+
+
+def _contents(value: Any) -> Iterable:
+    """What a list, tuple, set or dict holds (nothing for anything else)."""
+    return value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple, set)) else ()
+
+
 def _change_message(attr: _Attr, before: tuple, after: tuple) -> str:
     if before[0] == after[0] == "tensor":
         return (
@@ -361,43 +382,3 @@ def _shape_of(container: Any) -> Any:
     if isinstance(container, dict):
         return (dict, len(container), tuple(map(id, container.keys())), tuple(map(id, container.values())))
     return (type(container), len(container), tuple(map(id, container)))
-
-
-class InputUpdates:
-    """Inputs a callable updates in place (a KV cache, a step counter, statistics passed
-    in), found in the first warmup pass by their version counters.
-
-    Warmup runs on the sample tensors themselves (they are the static buffers), so each
-    watched graph's inputs are copied before its first forward and the updated ones are
-    put back when capture ends: graphing leaves the samples as they were. Updates that do
-    not go through torch's in-place ops (``x.data.add_``, a custom kernel writing into an
-    input) bump no version counter and are not seen.
-    """
-
-    def __init__(self) -> None:
-        self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    def watch(self, inputs: Sequence[torch.Tensor]) -> "_Watch":
-        """Call before the forward; ``close()`` after it gives the updated inputs' indices."""
-        return _Watch(self, inputs)
-
-    def restore(self) -> None:
-        with torch.no_grad():
-            for tensor, saved in reversed(self._saved):
-                tensor.copy_(saved)
-
-
-class _Watch:
-    def __init__(self, owner: InputUpdates, inputs: Sequence[torch.Tensor]):
-        self._owner = owner
-        self._inputs = tuple(inputs)
-        self._versions = [compat.version_of(t) for t in self._inputs]
-        self._copies = [t.detach().clone() for t in self._inputs]
-
-    def close(self) -> tuple[int, ...]:
-        updated = tuple(
-            i for i, t in enumerate(self._inputs) if compat.version_of(t) != self._versions[i]
-        )
-        self._owner._saved.extend((self._inputs[i], self._copies[i]) for i in updated)
-        self._copies = []
-        return updated

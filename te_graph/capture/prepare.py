@@ -38,7 +38,8 @@ from ..records import CapturedGraph, GraphPlan, GraphSpec, WarmupRecord
 from ..resources import RESOURCES
 from .graphs import capture_graphs
 from .host_state import HostState
-from .module_state import InputUpdates, ModuleState
+from .input_updates import InputUpdates
+from .module_state import ModuleState
 from .parameters import StandIns
 from .session import CaptureOptions, CaptureSession
 from .warmup import warm_up

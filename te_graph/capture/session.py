@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from .host_state import HostState
-from .module_state import InputUpdates, ModuleState
+from .input_updates import InputUpdates
+from .module_state import ModuleState
 from .parameters import StandIns
 
 __all__ = ["CaptureOptions", "CaptureSession"]

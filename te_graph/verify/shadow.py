@@ -15,6 +15,7 @@ import torch.utils._pytree as pytree
 
 import rng
 
+from ..capture.module_state import attribute_tensors
 from ..capture.parameters import StandIns
 from ..capture.wgrad import delayed_modules_in, delayed_wgrad_modules
 from ..extension import SEAM
@@ -25,8 +26,8 @@ __all__ = ["ModuleSnapshot", "Shadow", "arguments_before"]
 
 
 class ModuleSnapshot:
-    """A module's buffers (values), Python attributes (shallow) and the random streams, to
-    put back: the state before a call, or as the graph left it after."""
+    """A module's buffers and tensor attributes (values), Python attributes (shallow) and the
+    random streams, to put back: the state before a call, or as the graph left it after."""
 
     def __init__(self, module: Any, tracker: Any):
         self.tracker = tracker
@@ -34,6 +35,10 @@ class ModuleSnapshot:
         self.modules = list(module.modules()) if isinstance(module, torch.nn.Module) else []
         self.buffers = [(b, b.detach().clone()) for m in self.modules for b in m._buffers.values()
                         if isinstance(b, torch.Tensor)]
+        # The plain tensors of attributes (a running statistic in a list) of modules whose state
+        # no framework keeps, by value: put back where they changed.
+        self.tensors = [(t, t.detach().clone()) for m in self.modules if not SEAM.keeps_own_state(m)
+                        for t in attribute_tensors(m)]
         self.attributes = [(m, dict(m.__dict__)) for m in self.modules]
 
     def restore(self) -> None:
@@ -41,6 +46,9 @@ class ModuleSnapshot:
         with torch.no_grad():
             for b, value in self.buffers:
                 b.copy_(value)
+            for t, value in self.tensors:
+                if not torch.equal(t, value):
+                    t.copy_(value)
         for m, saved in self.attributes:
             for key in [k for k in m.__dict__ if k not in saved]:
                 del m.__dict__[key]
