@@ -6,17 +6,23 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-__all__ = ["shares_memory", "module_memory", "in_memory_of", "sharing_memory"]
+__all__ = ["storage_of", "shares_memory", "module_memory", "in_memory_of", "sharing_memory"]
+
+
+def storage_of(t: torch.Tensor) -> Optional[int]:
+    """The address of ``t``'s storage (None on the meta device, for an empty storage, and for
+    a tensor subclass without storage)."""
+    if t.device.type == "meta":
+        return None
+    try:
+        return t.untyped_storage().data_ptr() or None
+    except (RuntimeError, NotImplementedError):  # a tensor subclass without storage
+        return None
 
 
 def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors' storages are one (a view, the same tensor, or a detached one)."""
-    if a.device != b.device or a.device.type == "meta" or b.device.type == "meta":
-        return False
-    try:
-        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() != 0
-    except (RuntimeError, NotImplementedError):  # a tensor subclass without storage
-        return False
+    return a.device == b.device and storage_of(a) is not None and storage_of(a) == storage_of(b)
 
 
 def module_memory(func: Any) -> tuple[torch.Tensor, ...]:

@@ -119,6 +119,8 @@ class WarmupRecord:
     output: OutputLayout  # the outputs' layout (meta tensors: no memory is kept)
     unused: tuple[int, ...] = ()  # inputs requiring grad that no output depends on
     updated: tuple[int, ...] = ()  # inputs the forward updates in place (copied back at replay)
+    state_writes: tuple = ()  # module tensors (buffers, attributes) it updates in place: no input may share their memory
+    module_state: tuple = ()  # where it updates inputs: its modules' buffers and tensor attributes, which those may not share
     framework_modules: tuple = ()  # the modules of integrations (Transformer Engine's) its forward runs
     forward_draws: Optional[StreamUse] = None  # last pass, graphs only: streams drawn from
     backward_draws: Optional[StreamUse] = None

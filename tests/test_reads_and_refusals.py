@@ -559,3 +559,46 @@ def test_environment_flags_accept_the_boolean_words(monkeypatch, value):
     m = nn.Linear(4, 4)
     te_graph.make_graphed_callables(m, (torch.randn(2, 4, requires_grad=True),))  # eager replay: runs on the CPU
     assert rng.env_flag("TE_GRAPH_EAGER_REPLAY") is True
+
+
+class RunningState(nn.Module):
+    """A running state in a buffer, and a second input: ``updates`` says which of the two the
+    forward updates in place (the other it reads)."""
+
+    def __init__(self, updates: str):
+        super().__init__()
+        self.updates = updates
+        self.lin = nn.Linear(H, H)
+        self.register_buffer("running", torch.ones(H))
+        self.register_buffer("mask", torch.ones(H))
+
+    def forward(self, x, state):
+        with torch.no_grad():
+            (self.running if self.updates == "buffer" else state).mul_(0.5).add_(1.0)
+        return torch.tanh(self.lin(x)) * state * self.running
+
+
+@pytest.mark.parametrize("updates", ["buffer", "input"])
+@pytest.mark.parametrize("device, eager_replay", ALL_DEVICE_MODES)
+def test_an_input_sharing_memory_with_state_the_forward_updates_is_refused(device, eager_replay, updates):
+    """The graph reads each input from a buffer of its own, so neither would see the update
+    that eager code sees through the shared memory: refused before anything changes. A
+    buffer the forward only reads, passed in, trains as eager."""
+    m = RunningState(updates).to(device)
+    te_graph.make_graphed_callables(m, (_x(device), torch.ones(H, device=device)), eager_replay=eager_replay)
+    x = _x(device)
+    with refused(RuntimeError, re.escape(
+            "callable 0 (RunningState): input 1 shares memory with a tensor of its module (a buffer or a tensor "
+            "attribute), and the forward updates one of the two in place; eager code would see the update through "
+            "the other, but the graph reads each input from a buffer of its own. Pass a copy (.clone()), or read "
+            "that state from the module inside the forward."), m, x):
+        m(x, m.running)
+    if updates == "buffer":
+        torch.manual_seed(0)
+        eager = RunningState(updates).to(device)
+        eager.load_state_dict(m.state_dict())
+        for net in (m, eager):
+            out = net(_x(device, seed=1), net.mask)
+            out.sum().backward()
+            net.seen = [out.detach(), net.lin.weight.grad, net.running.clone()]
+        harness.assert_same(m.seen, eager.seen)

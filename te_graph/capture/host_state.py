@@ -52,18 +52,22 @@ class HostState:
         self._outside: list[tuple[torch.Tensor, torch.Tensor]] = []  # (tensor, its value before warmup)
         self._outside_ids: set[int] = set()
         self._generators: list[tuple[torch.Generator, torch.Tensor]] = []  # (a generator of the forward's own, its state)
+        self._state_writes: dict[str, tuple] = {}  # per forward: the module tensors it updates in place
 
     @contextlib.contextmanager
-    def watching(self, name: str, tracker: Any, known: Sequence[torch.Tensor]) -> Iterator[None]:
+    def watching(self, name: str, tracker: Any, known: Sequence[torch.Tensor],
+                 state: Sequence[torch.Tensor] = ()) -> Iterator[None]:
         """Around a first-pass forward of ``name``: refuse what it does that a graph cannot
         replay; note the outside tensors it updates (``known``: the inputs, parameters and
-        module tensors, which are not outside)."""
+        module tensors, which are not outside) and the tensors of ``state`` it updates
+        (``state_writes``)."""
         before = self._host_streams()
         streams = self._device_streams(tracker)
         seeding: list[str] = []
-        effects = _Effects(self, known, streams)
+        effects = _Effects(self, known, streams, state)
         with _seeding_noted(seeding), compat.compiled_code_run_eagerly(), effects:
             yield
+        self._state_writes[name] = tuple(effects.state_writes.values())
         if seeding:
             raise ValueError(_RESEEDS.format(name=name, what=f"calls {seeding[0]}"))
         for key, (seed, offset) in self._stream_positions(streams).items():
@@ -98,6 +102,11 @@ class HostState:
     @staticmethod
     def _stream_positions(streams: dict) -> dict:
         return {key: (g.initial_seed(), g.get_offset()) for key, (g, _) in streams.items()}
+
+    def state_writes(self, name: str) -> tuple:
+        """The module tensors (buffers, attributes; not its inputs) the forward of ``name``
+        updated in place in its first pass."""
+        return self._state_writes.get(name, ())
 
     def note_outside(self, t: torch.Tensor) -> None:
         """``t`` (outside the modules) is about to be updated in place: keep its value."""
@@ -173,11 +182,14 @@ class _Effects(compat.TorchDispatchMode):
     """The device ops of one forward: random draws from unknown streams (refused), and
     in-place updates of tensors outside the modules (their values kept for ``restore``)."""
 
-    def __init__(self, owner: HostState, known: Sequence[torch.Tensor], streams: dict):
+    def __init__(self, owner: HostState, known: Sequence[torch.Tensor], streams: dict,
+                 state: Sequence[torch.Tensor] = ()):
         super().__init__()
         self.owner = owner
         self.device_type = owner.device_type
         self.storages = {_storage(t) for t in known if isinstance(t, torch.Tensor)}
+        self.state = {_storage(t): t for t in state}
+        self.state_writes: dict[tuple, torch.Tensor] = {}  # storage -> a state tensor updated in place
         self.generators = [g for g, _ in streams.values()]
         self.seeds = {seed for _, (seed, _) in streams.values()}
         self.refusal: Optional[str] = None
@@ -189,9 +201,13 @@ class _Effects(compat.TorchDispatchMode):
             self._check_draw(kwargs.get("generator"))
         written = [v for a, v in zip(schema.arguments, args) if a.alias_info is not None and a.alias_info.is_write]
         for value in written + list(compat.unannotated_writes(func, args)):
-            if (isinstance(value, torch.Tensor) and value.device.type == self.device_type
-                    and _storage(value) not in self.storages):
+            if not isinstance(value, torch.Tensor) or value.device.type != self.device_type:
+                continue
+            storage = _storage(value)
+            if storage not in self.storages:
                 self.owner.note_outside(value)
+            elif storage in self.state:
+                self.state_writes.setdefault(storage, self.state[storage])
         out = func(*args, **kwargs)
         for t in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(t, torch.Tensor):

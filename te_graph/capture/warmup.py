@@ -28,6 +28,7 @@ from ..memory import shares_memory
 from ..planning.schedule import FORWARD, Step
 from ..records import GraphSpec, SavedOutputs, WarmupRecord
 from .backward_reads import candidates, inputs_reached, outputs_fed, outputs_reaching_inputs, probed_backward
+from .module_state import attribute_tensors
 from .parameters import ForeignLeaves
 from .passes import GraphPass, run_backward, run_forward, tensor_leaves
 from .session import CaptureOptions, CaptureSession
@@ -70,7 +71,8 @@ def _one_graph(spec: GraphSpec, learned: dict, first: bool, last: bool, device: 
     recording = reads_recorded(module, session.reads.setdefault(spec.owner, ForwardReads())) if first \
         else contextlib.nullcontext()
     # The first pass watches what the forward touches outside its modules (``host_state``).
-    host = session.host.watching(spec.name, options.tracker, _module_tensors(spec, stand_ins)) if first \
+    state = _module_state(spec) if first else ()
+    host = session.host.watching(spec.name, options.tracker, _module_tensors(spec, stand_ins), state) if first \
         else contextlib.nullcontext()
     with recording, leaves if leaves is not None else contextlib.nullcontext():
         with visiting as modules, guard, host, _first_forward(spec.name) if first else contextlib.nullcontext():
@@ -89,6 +91,8 @@ def _one_graph(spec: GraphSpec, learned: dict, first: bool, last: bool, device: 
             layout = OutputLayout(spec.name, outputs)
             learned["output"] = layout.without_memory()
             learned["updated"] = _check_updated(spec, inputs.close())
+            learned["state_writes"] = session.host.state_writes(spec.name)
+            learned["module_state"] = state if learned["updated"] else ()
             if spec.needs_backward:
                 learned["fed"] = outputs_fed(layout.tensors)
                 learned["idle_calls"] = inputs_reached(layout.tensors, spec.static_inputs)
@@ -168,6 +172,15 @@ def _check_unused(spec: GraphSpec, unused: tuple[int, ...], allow_unused_input: 
         "output depends on it. Pass allow_unused_input=True, or pass it with "
         "requires_grad=False."
     )
+
+
+def _module_state(spec: GraphSpec) -> tuple:
+    """The buffers and tensor attributes of its modules whose state no framework keeps: an
+    input sharing memory with one the forward updates, or updated sharing one, is refused."""
+    if not isinstance(spec.func, torch.nn.Module):
+        return ()
+    return tuple(t for m in spec.func.modules() if not SEAM.keeps_own_state(m)
+                 for t in (*m.buffers(recurse=False), *attribute_tensors(m)))
 
 
 def _module_tensors(spec: GraphSpec, stand_ins: Any) -> list[torch.Tensor]:

@@ -12,6 +12,7 @@ import torch
 
 from .. import compat
 from ..capture.wgrad import check_still_delayed
+from ..memory import storage_of
 from ..records import GraphSpec, WarmupRecord
 from .copy_in import copy_in
 from .order import NO_CLOCK, ReplayContext
@@ -87,6 +88,10 @@ class Runner:
         self.wgrad = warmup.wgrad  # what warmup learned of its weight-gradient pass; None without one
         self.has_wgrad = warmup.wgrad is not None
         self.updated = warmup.updated  # inputs the forward updates in place (warmup found them)
+        # Module tensors it updates in place, and (with updated inputs) its modules' tensors,
+        # with their storages: an input sharing memory with one is refused (check_updated_apart).
+        self.state_writes, self.module_state = warmup.state_writes, warmup.module_state
+        self.state_storages = frozenset(storage_of(t) for t in warmup.state_writes + warmup.module_state) - {None}
         self.grad_mode_dependent = warmup.grad_mode_dependent
         self.framework_modules = warmup.framework_modules  # the integrations' modules its forward runs
         self.tracker = context.tracker  # whose streams its forward draws from
@@ -154,7 +159,7 @@ class Runner:
         order = self.order
         if order.activations & self.refused_at_forward or order.queued & self.refused_queued_at_forward:
             order.check(self, self.refused_at_forward, self.refused_queued_at_forward, "forward")
-        if self.updated:
+        if self.updated or self.state_storages:
             check_updated_apart(self, inputs)
 
     def _take_outputs(self, outputs: tuple[torch.Tensor, ...], fed: tuple) -> None:
