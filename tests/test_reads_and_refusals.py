@@ -168,6 +168,19 @@ def test_saved_tensor_hooks_at_call_time_are_refused_and_a_checkpoints_are_not(d
     x = _x(device)
     torch.utils.checkpoint.checkpoint(m, x, use_reentrant=False).sum().backward()
     assert x.grad is not None
+    # Graphed inside one save_on_cpu context, called inside another (new hooks each time).
+    n = Reads().to(device)
+    with torch.autograd.graph.save_on_cpu():
+        te_graph.make_graphed_callables(n, (_x(device),), eager_replay=eager_replay)
+    x = _x(device)
+    with torch.autograd.graph.save_on_cpu(), refused(RuntimeError, re.escape(
+            "callable 0 (Reads): since graphing, other saved-tensor hooks are active than at capture (each "
+            "saved_tensors_hooks or save_on_cpu context makes hooks of its own, so one opened per step differs "
+            "from the one graphing ran in): keep one context around both graphing and the calls"), n, x):
+        n(x)
+    with refused(RuntimeError, re.escape(
+            "callable 0 (Reads): since graphing, the saved-tensor hooks active at capture are not any more"), n, x):
+        n(x)
 
 
 class Logs(nn.Module):
@@ -602,3 +615,25 @@ def test_an_input_sharing_memory_with_state_the_forward_updates_is_refused(devic
             out.sum().backward()
             net.seen = [out.detach(), net.lin.weight.grad, net.running.clone()]
         harness.assert_same(m.seen, eager.seen)
+
+
+@pytest.mark.parametrize("device, eager_replay", ALL_DEVICE_MODES)
+def test_a_checkpoint_around_a_layer_whose_backward_reads_its_outputs(device, eager_replay):
+    """A non-reentrant checkpoint's recompute calls the layer again while that call's backward
+    waits: refused, saying so (a known false refusal); a reentrant one trains as eager."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(H, H), nn.Tanh()).to(device)
+    eager = copy.deepcopy(m)
+    te_graph.make_graphed_callables(m, (_x(device),), eager_replay=eager_replay)
+    with pytest.raises(RuntimeError, match=re.escape(
+            "It is called during a backward: a non-reentrant checkpoint around it runs its region again to "
+            "rebuild what the region saved (this call's outputs, which its backward reads), which a graph cannot "
+            "do while that backward waits. Use a reentrant checkpoint (use_reentrant=True) around graphed layers, "
+            "or checkpoint inside the graphed layer.")):
+        torch.utils.checkpoint.checkpoint(m, _x(device), use_reentrant=False).sum().backward()
+    m.zero_grad(set_to_none=True)
+    for net in (m, eager):
+        x = _x(device, seed=2)
+        torch.utils.checkpoint.checkpoint(net, x, use_reentrant=True).square().sum().backward()
+        net.seen = [x.grad, net[0].weight.grad]
+    harness.assert_same(m.seen, eager.seen)

@@ -5,6 +5,7 @@ scaled-dot-product attention, the SDPA backends allowed."""
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 
@@ -78,10 +79,7 @@ class Settings:
             if then != value:
                 found.append(f"{name} is {value!r}, but was {then!r} at capture")
         if now[numerics] is not captured[numerics]:
-            found.append("saved-tensor hooks are active (torch.autograd.graph.saved_tensors_hooks or save_on_cpu: "
-                         "eager autograd would pack what it saves through them, while the graph's backward reads "
-                         "its own activations), which they were not at capture" if now[numerics] is not None else
-                         "the saved-tensor hooks active at capture are not any more")
+            found.append(_hooks_change(captured[numerics], now[numerics]))
         for name, then, value in zip(compat.SDPA_BACKENDS, captured[numerics + 1:], now[numerics + 1:]):
             if then != value:
                 found.append(f"the {name} SDPA backend is {'allowed' if value else 'not allowed'} "
@@ -90,6 +88,18 @@ class Settings:
         if not found:  # autocast on for another device: watch this device's own from now on
             self._watch(precise=len(self._autocast_getters) == 2 or now_any)
         return found
+
+
+def _hooks_change(then: Any, now: Any) -> str:
+    if then is None:
+        return ("saved-tensor hooks are active (torch.autograd.graph.saved_tensors_hooks or save_on_cpu: "
+                "eager autograd would pack what it saves through them, while the graph's backward reads "
+                "its own activations), which they were not at capture")
+    if now is None:
+        return "the saved-tensor hooks active at capture are not any more"
+    return ("other saved-tensor hooks are active than at capture (each saved_tensors_hooks or save_on_cpu "
+            "context makes hooks of its own, so one opened per step differs from the one graphing ran in): "
+            "keep one context around both graphing and the calls")
 
 
 def _autocast(device_type: str) -> tuple:

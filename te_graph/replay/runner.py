@@ -145,12 +145,17 @@ class Runner:
 
     def _before_forward(self, inputs: tuple[torch.Tensor, ...]) -> None:
         if self.awaits_backward():
+            during = (" It is called during a backward: a non-reentrant checkpoint around it runs its region "
+                      "again to rebuild what the region saved (this call's outputs, which its backward reads), "
+                      "which a graph cannot do while that backward waits. Use a reentrant checkpoint "
+                      "(use_reentrant=True) around graphed layers, or checkpoint inside the graphed layer."
+                      if compat.in_backward() else "")
             raise RuntimeError(
                 f"{self.name}: called again while the backward of its previous call has not run; "
                 "a graph reuses its activations at every call, so that backward would read this "
                 "call's. Run the backward first; for several microbatches in flight, pass "
                 "order=... with one sample set per microbatch; a result you will not backpropagate "
-                "through, compute under torch.no_grad() (or drop it before the next call)."
+                "through, compute under torch.no_grad() (or drop it before the next call)." + during
             )
         if self.wgrad_book is not None:
             self.wgrad_book.check_forward(self)
