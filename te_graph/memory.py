@@ -6,7 +6,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-__all__ = ["storage_of", "shares_memory", "module_memory", "in_memory_of", "sharing_memory"]
+__all__ = ["storage_of", "address_range", "shares_memory", "module_memory", "in_memory_of", "sharing_memory"]
 
 
 def storage_of(t: torch.Tensor) -> Optional[int]:
@@ -18,6 +18,14 @@ def storage_of(t: torch.Tensor) -> Optional[int]:
         return t.untyped_storage().data_ptr() or None
     except (RuntimeError, NotImplementedError):  # a tensor subclass without storage
         return None
+
+
+def address_range(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes ``t`` may touch: from its first element's address to past its last."""
+    if t.numel() == 0:
+        return 0, 0
+    start = t.data_ptr()
+    return start, start + (sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1) * t.element_size()
 
 
 def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:

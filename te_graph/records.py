@@ -119,8 +119,10 @@ class WarmupRecord:
     output: OutputLayout  # the outputs' layout (meta tensors: no memory is kept)
     unused: tuple[int, ...] = ()  # inputs requiring grad that no output depends on
     updated: tuple[int, ...] = ()  # inputs the forward updates in place (copied back at replay)
-    state_writes: tuple = ()  # module tensors (buffers, attributes) it updates in place: no input may share their memory
-    module_state: tuple = ()  # where it updates inputs: its modules' buffers and tensor attributes, which those may not share
+    # The order of its reads and writes of its modules' buffers and tensor attributes and of
+    # its inputs (None: it writes neither): an input sharing memory with such state is refused
+    # where eager code would see a write through the other (``StateAccess.hazard``).
+    state_access: Optional[StateAccess] = None
     framework_modules: tuple = ()  # the modules of integrations (Transformer Engine's) its forward runs
     forward_draws: Optional[StreamUse] = None  # last pass, graphs only: streams drawn from
     backward_draws: Optional[StreamUse] = None
@@ -142,6 +144,30 @@ class WarmupRecord:
     idle_outputs: tuple = ()
     # It computes other values under torch.no_grad() (a fast path): calls under no_grad run eagerly.
     grad_mode_dependent: bool = False
+
+
+@dataclass(frozen=True)
+class StateAccess:
+    """When the first warmup pass read and wrote its modules' state and its inputs, by op
+    index: ``writes``/``reads``: (first address, past the last, op) of each view of the state
+    written (its first write) or read (its last read); per input, its last read and first
+    write (-1: none)."""
+
+    storages: frozenset  # the state's storage addresses it touched
+    writes: tuple
+    reads: tuple
+    input_last_read: tuple
+    input_first_write: tuple
+
+    def hazard(self, index: int, lo: int, hi: int) -> bool:
+        """Whether input ``index``, lying on bytes [lo, hi) of the state, would differ from
+        eager code, where the two are one memory: it is read after the state there was
+        written, or written itself (the graph writes it back after the forward), or the state
+        there is read after the input was written."""
+        written = self.input_first_write[index]
+        if any(a < hi and lo < b and (op < self.input_last_read[index] or written >= 0) for a, b, op in self.writes):
+            return True
+        return written >= 0 and any(a < hi and lo < b and op > written for a, b, op in self.reads)
 
 
 @dataclass(frozen=True)

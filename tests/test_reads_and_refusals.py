@@ -602,9 +602,9 @@ def test_an_input_sharing_memory_with_state_the_forward_updates_is_refused(devic
     x = _x(device)
     with refused(RuntimeError, re.escape(
             "callable 0 (RunningState): input 1 shares memory with a tensor of its module (a buffer or a tensor "
-            "attribute), and the forward updates one of the two in place; eager code would see the update through "
-            "the other, but the graph reads each input from a buffer of its own. Pass a copy (.clone()), or read "
-            "that state from the module inside the forward."), m, x):
+            "attribute), and the forward updates one of the two in place before it reads the other; eager code "
+            "would see the update through the shared memory, but the graph reads each input from a buffer of its "
+            "own. Pass a copy (.clone()), or read that state from the module inside the forward."), m, x):
         m(x, m.running)
     if updates == "buffer":
         torch.manual_seed(0)
@@ -636,4 +636,68 @@ def test_a_checkpoint_around_a_layer_whose_backward_reads_its_outputs(device, ea
         x = _x(device, seed=2)
         torch.utils.checkpoint.checkpoint(net, x, use_reentrant=True).square().sum().backward()
         net.seen = [x.grad, net[0].weight.grad]
+    harness.assert_same(m.seen, eager.seen)
+
+
+class Ring(nn.Module):
+    """Two slots of one buffer: the forward writes slot 1 and reads the input (slot 0)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(H, H)
+        self.register_buffer("mem", torch.ones(2, H))
+
+    def forward(self, x, slot):
+        with torch.no_grad():
+            self.mem[1].mul_(0.5).add_(1.0)
+        return torch.tanh(self.lin(x)) * slot * self.mem[1]
+
+
+class Streaming(nn.Module):
+    """A streaming cache passed in: read first, then overwritten with the newest rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(H, H)
+        self.register_buffer("tail", torch.zeros(2, H))
+
+    def forward(self, x, tail):
+        y = torch.tanh(self.lin(torch.cat([tail, x.flatten(0, 1)])))
+        with torch.no_grad():
+            self.tail.copy_(y[-2:])
+        return y
+
+
+class KVSlot(nn.Module):
+    """One slot of a cache it holds but does not read, passed in and updated in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(H, H)
+        self.register_buffer("cache", torch.zeros(2, H))
+
+    def forward(self, x, slot):
+        y = torch.tanh(self.lin(x))
+        with torch.no_grad():
+            slot.add_(y.mean(dim=(0, 1)))
+        return y * 2
+
+
+@pytest.mark.parametrize("make, state", [(Ring, lambda m: m.mem[0]), (Streaming, lambda m: m.tail),
+                                         (KVSlot, lambda m: m.cache[1])], ids=["ring", "streaming", "kv-slot"])
+@pytest.mark.parametrize("device, eager_replay", ALL_DEVICE_MODES)
+def test_state_passed_in_where_no_write_shows_through_trains_as_eager(device, eager_replay, make, state):
+    """The first pass orders the forward's reads and writes: a slice the forward does not
+    write, state read before it is overwritten, and an updated slot of a cache the forward
+    does not read are no refusal, and train bitwise as eager."""
+    torch.manual_seed(0)
+    m = make().to(device)
+    eager = copy.deepcopy(m)
+    te_graph.make_graphed_callables(m, (_x(device), state(m).clone()), eager_replay=eager_replay)
+    for net in (m, eager):
+        net.seen = []
+        for step in range(3):
+            out = net(_x(device, seed=step), state(net))
+            out.square().sum().backward()
+            net.seen += [out.detach().clone(), net.lin.weight.grad.clone(), *[b.clone() for b in net.buffers()]]
     harness.assert_same(m.seen, eager.seen)

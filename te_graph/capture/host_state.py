@@ -26,10 +26,13 @@ import sys
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
+import torch.utils._pytree as pytree
 
 import rng
 
 from .. import compat
+from ..memory import address_range, storage_of
+from ..records import StateAccess
 
 __all__ = ["HostState"]
 
@@ -52,22 +55,23 @@ class HostState:
         self._outside: list[tuple[torch.Tensor, torch.Tensor]] = []  # (tensor, its value before warmup)
         self._outside_ids: set[int] = set()
         self._generators: list[tuple[torch.Generator, torch.Tensor]] = []  # (a generator of the forward's own, its state)
-        self._state_writes: dict[str, tuple] = {}  # per forward: the module tensors it updates in place
+        self._state_access: dict[str, Optional[StateAccess]] = {}  # per forward (``state_access``)
 
     @contextlib.contextmanager
     def watching(self, name: str, tracker: Any, known: Sequence[torch.Tensor],
-                 state: Sequence[torch.Tensor] = ()) -> Iterator[None]:
+                 state: Sequence[torch.Tensor] = (), inputs: Sequence[torch.Tensor] = ()) -> Iterator[None]:
         """Around a first-pass forward of ``name``: refuse what it does that a graph cannot
         replay; note the outside tensors it updates (``known``: the inputs, parameters and
-        module tensors, which are not outside) and the tensors of ``state`` it updates
-        (``state_writes``)."""
+        module tensors, which are not outside) and when it reads and writes ``state`` (its
+        modules' buffers and tensor attributes) and its ``inputs`` (``state_access``)."""
         before = self._host_streams()
         streams = self._device_streams(tracker)
         seeding: list[str] = []
-        effects = _Effects(self, known, streams, state)
-        with _seeding_noted(seeding), compat.compiled_code_run_eagerly(), effects:
+        effects = _Effects(self, known, streams)
+        order = _AccessOrder(state, inputs) if state else None  # (without state, no input can alias it)
+        with _seeding_noted(seeding), compat.compiled_code_run_eagerly(), effects, order or contextlib.nullcontext():
             yield
-        self._state_writes[name] = tuple(effects.state_writes.values())
+        self._state_access[name] = order.record() if order is not None else None
         if seeding:
             raise ValueError(_RESEEDS.format(name=name, what=f"calls {seeding[0]}"))
         for key, (seed, offset) in self._stream_positions(streams).items():
@@ -103,10 +107,10 @@ class HostState:
     def _stream_positions(streams: dict) -> dict:
         return {key: (g.initial_seed(), g.get_offset()) for key, (g, _) in streams.items()}
 
-    def state_writes(self, name: str) -> tuple:
-        """The module tensors (buffers, attributes; not its inputs) the forward of ``name``
-        updated in place in its first pass."""
-        return self._state_writes.get(name, ())
+    def state_access(self, name: str) -> Optional[StateAccess]:
+        """When the forward of ``name`` read and wrote its modules' state and its inputs in
+        its first pass (None: it wrote neither)."""
+        return self._state_access.get(name)
 
     def note_outside(self, t: torch.Tensor) -> None:
         """``t`` (outside the modules) is about to be updated in place: keep its value."""
@@ -182,14 +186,11 @@ class _Effects(compat.TorchDispatchMode):
     """The device ops of one forward: random draws from unknown streams (refused), and
     in-place updates of tensors outside the modules (their values kept for ``restore``)."""
 
-    def __init__(self, owner: HostState, known: Sequence[torch.Tensor], streams: dict,
-                 state: Sequence[torch.Tensor] = ()):
+    def __init__(self, owner: HostState, known: Sequence[torch.Tensor], streams: dict):
         super().__init__()
         self.owner = owner
         self.device_type = owner.device_type
         self.storages = {_storage(t) for t in known if isinstance(t, torch.Tensor)}
-        self.state = {_storage(t): t for t in state}
-        self.state_writes: dict[tuple, torch.Tensor] = {}  # storage -> a state tensor updated in place
         self.generators = [g for g, _ in streams.values()]
         self.seeds = {seed for _, (seed, _) in streams.values()}
         self.refusal: Optional[str] = None
@@ -203,11 +204,8 @@ class _Effects(compat.TorchDispatchMode):
         for value in written + list(compat.unannotated_writes(func, args)):
             if not isinstance(value, torch.Tensor) or value.device.type != self.device_type:
                 continue
-            storage = _storage(value)
-            if storage not in self.storages:
+            if _storage(value) not in self.storages:
                 self.owner.note_outside(value)
-            elif storage in self.state:
-                self.state_writes.setdefault(storage, self.state[storage])
         out = func(*args, **kwargs)
         for t in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(t, torch.Tensor):
@@ -249,3 +247,50 @@ def _storage(t: torch.Tensor) -> tuple:
         return (t.device, t.untyped_storage().data_ptr())
     except (RuntimeError, NotImplementedError):  # a subclass without storage
         return (t.device, id(t))
+
+
+class _AccessOrder(compat.TorchDispatchMode):
+    """The device ops of one forward, numbered: when each view of the modules' state is
+    first written and last read, and each input last read and first written."""
+
+    def __init__(self, state: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]):
+        super().__init__()
+        self.state = {storage_of(t) for t in state} - {None}
+        self.inputs = {storage_of(t): i for i, t in enumerate(inputs) if storage_of(t) is not None}
+        self.op = 0
+        self.writes: dict[tuple, int] = {}  # (first address, past the last) -> first write
+        self.reads: dict[tuple, int] = {}  # -> last read
+        self.last_read = [-1] * len(inputs)
+        self.first_write = [-1] * len(inputs)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if self.state:
+            written = {id(v) for a, v in zip(func._schema.arguments, args)
+                       if a.alias_info is not None and a.alias_info.is_write}
+            written |= {id(v) for v in compat.unannotated_writes(func, args)}
+            for t in pytree.tree_leaves((args, kwargs)):
+                if isinstance(t, torch.Tensor):
+                    self._note(t, id(t) in written)
+        self.op += 1
+        return func(*args, **kwargs)
+
+    def _note(self, t: torch.Tensor, write: bool) -> None:
+        storage = storage_of(t)
+        index = self.inputs.get(storage)
+        if index is not None:
+            self.last_read[index] = self.op
+            if write and self.first_write[index] < 0:
+                self.first_write[index] = self.op
+        if storage in self.state:
+            span = address_range(t)
+            self.reads[span] = self.op
+            if write:
+                self.writes.setdefault(span, self.op)
+
+    def record(self) -> Optional[StateAccess]:
+        if not self.writes and max(self.first_write, default=-1) < 0:
+            return None  # it writes neither: no input can see a write through another
+        return StateAccess(frozenset(self.state), tuple((a, b, op) for (a, b), op in self.writes.items()),
+                           tuple((a, b, op) for (a, b), op in self.reads.items()), tuple(self.last_read),
+                           tuple(self.first_write))

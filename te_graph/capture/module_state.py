@@ -149,12 +149,13 @@ class ModuleState:
         return seen
 
     def _state_sums(self) -> dict:
-        """Per watched module, the sums of its own parameters and buffers (a change detector
-        of their values, whichever way they were written: ``.data`` bypasses version counters)."""
+        """Per watched module, the sums of its own parameters, buffers and tensor attributes
+        (a change detector of their values, whichever way they were written: ``.data``
+        bypasses version counters)."""
         counts, parts = [], []
         with torch.no_grad():
             for _, _, sub in self._watched:
-                own = [t for t in list(sub._parameters.values()) + list(sub._buffers.values())
+                own = [t for t in [*sub._parameters.values(), *sub._buffers.values(), *attribute_tensors(sub)]
                        if isinstance(t, torch.Tensor) and t.numel() and t.dtype.is_floating_point]
                 counts.append((id(sub), len(own)))
                 parts += [t.detach().float().sum() for t in own]
@@ -169,7 +170,7 @@ class ModuleState:
 
     def _check_first_call(self, now: dict) -> None:
         """After the second pass: a module whose first forward set a Python attribute for good
-        and wrote its own parameters or buffers, which its second left alone, initialises
+        and wrote its own parameters, buffers or tensor attributes, which its second left alone, initialises
         itself from its first call's data (an ActNorm's data-dependent init). Warmup made
         that call on the sample (and its buffers are put back after warmup), where eager code
         makes it on the first real batch: refused."""
@@ -185,7 +186,7 @@ class ModuleState:
                 where = f"{prefix}.{set_once[0][1]}" if prefix else set_once[0][1]
                 raise ValueError(
                     f"make_graphed_callables: the forward of {owner} initialises {prefix or 'the module'!r} from its "
-                    f"first call (it wrote its parameters or buffers and set {where!r}, and its next call did "
+                    f"first call (it wrote its parameters, buffers or tensors and set {where!r}, and its next call did "
                     "neither); warmup made that first call on the sample inputs, where eager code makes it on your "
                     "first batch. Run one eager step (or initialise the module) before graphing it."
                 )

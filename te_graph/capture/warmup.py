@@ -72,7 +72,8 @@ def _one_graph(spec: GraphSpec, learned: dict, first: bool, last: bool, device: 
         else contextlib.nullcontext()
     # The first pass watches what the forward touches outside its modules (``host_state``).
     state = _module_state(spec) if first else ()
-    host = session.host.watching(spec.name, options.tracker, _module_tensors(spec, stand_ins), state) if first \
+    host = session.host.watching(spec.name, options.tracker, _module_tensors(spec, stand_ins), state,
+                                 spec.static_inputs) if first \
         else contextlib.nullcontext()
     with recording, leaves if leaves is not None else contextlib.nullcontext():
         with visiting as modules, guard, host, _first_forward(spec.name) if first else contextlib.nullcontext():
@@ -91,8 +92,7 @@ def _one_graph(spec: GraphSpec, learned: dict, first: bool, last: bool, device: 
             layout = OutputLayout(spec.name, outputs)
             learned["output"] = layout.without_memory()
             learned["updated"] = _check_updated(spec, inputs.close())
-            learned["state_writes"] = session.host.state_writes(spec.name)
-            learned["module_state"] = state if learned["updated"] else ()
+            learned["state_access"] = session.host.state_access(spec.name)
             if spec.needs_backward:
                 learned["fed"] = outputs_fed(layout.tensors)
                 learned["idle_calls"] = inputs_reached(layout.tensors, spec.static_inputs)
@@ -175,8 +175,8 @@ def _check_unused(spec: GraphSpec, unused: tuple[int, ...], allow_unused_input: 
 
 
 def _module_state(spec: GraphSpec) -> tuple:
-    """The buffers and tensor attributes of its modules whose state no framework keeps: an
-    input sharing memory with one the forward updates, or updated sharing one, is refused."""
+    """The buffers and tensor attributes of its modules whose state no framework keeps, whose
+    reads and writes the first pass orders (``records.StateAccess``)."""
     if not isinstance(spec.func, torch.nn.Module):
         return ()
     return tuple(t for m in spec.func.modules() if not SEAM.keeps_own_state(m)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..memory import shares_memory
+from ..memory import address_range, shares_memory
 
 __all__ = ["Slot", "overlap", "copy_in"]
 
@@ -24,19 +24,11 @@ class Slot:
         self.hi = self.lo + storage.nbytes()
 
 
-def _address_range(t: torch.Tensor) -> tuple[int, int]:
-    """The bytes ``t`` may touch: from its first element's address to past its last."""
-    if t.numel() == 0:
-        return 0, 0
-    start = t.data_ptr()
-    return start, start + (sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1) * t.element_size()
-
-
 def overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a`` and ``b`` may share bytes: one storage, overlapping address ranges."""
     if not shares_memory(a, b):
         return False
-    (a0, a1), (b0, b1) = _address_range(a), _address_range(b)
+    (a0, a1), (b0, b1) = address_range(a), address_range(b)
     return a0 < b1 and b0 < a1
 
 

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from .. import compat, grads
-from ..memory import storage_of
+from ..memory import address_range, storage_of
 from .copy_in import overlap
 from .order import shapes_text
 
@@ -62,20 +62,21 @@ def check_in_graph_backward(runner: Any, invocation: Any) -> None:
 
 def check_updated_apart(runner: Any, inputs: tuple[torch.Tensor, ...]) -> None:
     """Each input the forward updates in place overlaps no other input's bytes, and no input
-    overlaps a module tensor the forward updates in place (a buffer passed in as an
-    argument): each input is read from a buffer of its own, so it would not see the update
-    that eager code sees through the shared memory. (Disjoint slices of one buffer pass;
-    strided views whose address ranges interleave are refused, without looking at each byte.)"""
+    lies on its modules' state where the forward writes one of the two before it reads the
+    other (a buffer passed in as an argument; ``records.StateAccess``): each input is read
+    from a buffer of its own, so it would not see the update that eager code sees through the
+    shared memory. (Disjoint slices of one buffer pass; strided views whose address ranges
+    interleave are refused, without looking at each byte.)"""
     for index, t in enumerate(inputs):
         if not isinstance(t, torch.Tensor) or storage_of(t) not in runner.state_storages:
             continue  # (memory shared is one storage)
-        state = runner.state_writes + (runner.module_state if index in runner.updated else ())
-        if any(overlap(t, s) for s in state):
+        if runner.state_access.hazard(index, *address_range(t)):
             raise RuntimeError(
                 f"{runner.name}: input {index} shares memory with a tensor of its module (a buffer or a "
-                "tensor attribute), and the forward updates one of the two in place; eager code would see "
-                "the update through the other, but the graph reads each input from a buffer of its own. "
-                "Pass a copy (.clone()), or read that state from the module inside the forward."
+                "tensor attribute), and the forward updates one of the two in place before it reads the "
+                "other; eager code would see the update through the shared memory, but the graph reads "
+                "each input from a buffer of its own. Pass a copy (.clone()), or read that state from "
+                "the module inside the forward."
             )
     for index in runner.updated:
         t = inputs[index]

@@ -12,7 +12,6 @@ import torch
 
 from .. import compat
 from ..capture.wgrad import check_still_delayed
-from ..memory import storage_of
 from ..records import GraphSpec, WarmupRecord
 from .copy_in import copy_in
 from .order import NO_CLOCK, ReplayContext
@@ -88,10 +87,10 @@ class Runner:
         self.wgrad = warmup.wgrad  # what warmup learned of its weight-gradient pass; None without one
         self.has_wgrad = warmup.wgrad is not None
         self.updated = warmup.updated  # inputs the forward updates in place (warmup found them)
-        # Module tensors it updates in place, and (with updated inputs) its modules' tensors,
-        # with their storages: an input sharing memory with one is refused (check_updated_apart).
-        self.state_writes, self.module_state = warmup.state_writes, warmup.module_state
-        self.state_storages = frozenset(storage_of(t) for t in warmup.state_writes + warmup.module_state) - {None}
+        # When its forward reads and writes its modules' state and its inputs: an input sharing
+        # memory with that state where eager code would see a write through the other is refused.
+        self.state_access = warmup.state_access
+        self.state_storages = warmup.state_access.storages if warmup.state_access is not None else frozenset()
         self.grad_mode_dependent = warmup.grad_mode_dependent
         self.framework_modules = warmup.framework_modules  # the integrations' modules its forward runs
         self.tracker = context.tracker  # whose streams its forward draws from

@@ -36,7 +36,7 @@ class ModuleSnapshot:
         self.buffers = [(b, b.detach().clone()) for m in self.modules for b in m._buffers.values()
                         if isinstance(b, torch.Tensor)]
         # The plain tensors of attributes (a running statistic in a list) of modules whose state
-        # no framework keeps, by value: put back where they changed.
+        # no framework keeps, by value.
         self.tensors = [(t, t.detach().clone()) for m in self.modules if not SEAM.keeps_own_state(m)
                         for t in attribute_tensors(m)]
         self.attributes = [(m, dict(m.__dict__)) for m in self.modules]
@@ -44,11 +44,10 @@ class ModuleSnapshot:
     def restore(self) -> None:
         rng.restore_streams(self.tracker, self.streams)
         with torch.no_grad():
-            for b, value in self.buffers:
-                b.copy_(value)
-            for t, value in self.tensors:
-                if not torch.equal(t, value):
-                    t.copy_(value)
+            # Through .data where plain: autograd saved some of them (the call's own graph, the
+            # shadow's), and a version moved by this copy back would fail their backward.
+            for t, value in self.buffers + self.tensors:
+                (t.data if type(t) is torch.Tensor else t).copy_(value)
         for m, saved in self.attributes:
             for key in [k for k in m.__dict__ if k not in saved]:
                 del m.__dict__[key]
