@@ -639,13 +639,20 @@ def test_a_checkpoint_around_a_layer_whose_backward_reads_its_outputs(device, ea
     harness.assert_same(m.seen, eager.seen)
 
 
-class Ring(nn.Module):
+class _WithState(nn.Module):
+    """A linear layer and one buffer of two rows, ``name`` (``value``: its fill)."""
+
+    def __init__(self, name: str, value: float):
+        super().__init__()
+        self.lin = nn.Linear(H, H)
+        self.register_buffer(name, torch.full((2, H), value))
+
+
+class Ring(_WithState):
     """Two slots of one buffer: the forward writes slot 1 and reads the input (slot 0)."""
 
     def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(H, H)
-        self.register_buffer("mem", torch.ones(2, H))
+        super().__init__("mem", 1.0)
 
     def forward(self, x, slot):
         with torch.no_grad():
@@ -653,13 +660,11 @@ class Ring(nn.Module):
         return torch.tanh(self.lin(x)) * slot * self.mem[1]
 
 
-class Streaming(nn.Module):
+class Streaming(_WithState):
     """A streaming cache passed in: read first, then overwritten with the newest rows."""
 
     def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(H, H)
-        self.register_buffer("tail", torch.zeros(2, H))
+        super().__init__("tail", 0.0)
 
     def forward(self, x, tail):
         y = torch.tanh(self.lin(torch.cat([tail, x.flatten(0, 1)])))
@@ -668,13 +673,11 @@ class Streaming(nn.Module):
         return y
 
 
-class KVSlot(nn.Module):
+class KVSlot(_WithState):
     """One slot of a cache it holds but does not read, passed in and updated in place."""
 
     def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(H, H)
-        self.register_buffer("cache", torch.zeros(2, H))
+        super().__init__("cache", 0.0)
 
     def forward(self, x, slot):
         y = torch.tanh(self.lin(x))
