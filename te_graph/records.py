@@ -123,6 +123,9 @@ class WarmupRecord:
     # its inputs (None: it writes neither): an input sharing memory with such state is refused
     # where eager code would see a write through the other (``StateAccess.hazard``).
     state_access: Optional[StateAccess] = None
+    # Inputs whose sample is its modules' state itself (a buffer passed as the sample): a call
+    # with another tensor would copy into that state (refused).
+    inputs_on_state: tuple[int, ...] = ()
     framework_modules: tuple = ()  # the modules of integrations (Transformer Engine's) its forward runs
     forward_draws: Optional[StreamUse] = None  # last pass, graphs only: streams drawn from
     backward_draws: Optional[StreamUse] = None
@@ -149,9 +152,9 @@ class WarmupRecord:
 @dataclass(frozen=True)
 class StateAccess:
     """When the first warmup pass read and wrote its modules' state and its inputs, by op
-    index: ``writes``/``reads``: (first address, past the last, op) of each view of the state
-    written (its first write) or read (its last read); per input, its last read and first
-    write (-1: none)."""
+    index: ``writes``/``reads``: (first address, past the last, op, storage) of each view of
+    the state written (its first write) or read (its last read); per input, its last read and
+    first write (-1: none)."""
 
     storages: frozenset  # the state's storage addresses it touched
     writes: tuple
@@ -159,15 +162,17 @@ class StateAccess:
     input_last_read: tuple
     input_first_write: tuple
 
-    def hazard(self, index: int, lo: int, hi: int) -> bool:
-        """Whether input ``index``, lying on bytes [lo, hi) of the state, would differ from
-        eager code, where the two are one memory: it is read after the state there was
-        written, or written itself (the graph writes it back after the forward), or the state
-        there is read after the input was written."""
+    def hazard(self, index: int, lo: int, hi: int, storage: int) -> bool:
+        """Whether input ``index``, lying on bytes [lo, hi) of the state's ``storage``, would
+        differ from eager code, where the two are one memory: it is read after the state there
+        was written, or written itself (the graph writes it back after the forward); or, written,
+        the storage is read after (there, the update is not seen; anywhere, what autograd saved
+        of it sees its version moved by the write back after the forward)."""
         written = self.input_first_write[index]
-        if any(a < hi and lo < b and (op < self.input_last_read[index] or written >= 0) for a, b, op in self.writes):
+        if any(a < hi and lo < b and (op < self.input_last_read[index] or written >= 0)
+               for a, b, op, _ in self.writes):
             return True
-        return written >= 0 and any(a < hi and lo < b and op > written for a, b, op in self.reads)
+        return written >= 0 and any(s == storage and op > written for _, _, op, s in self.reads)
 
 
 @dataclass(frozen=True)

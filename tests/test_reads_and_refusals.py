@@ -607,14 +607,18 @@ def test_an_input_sharing_memory_with_state_the_forward_updates_is_refused(devic
             "own. Pass a copy (.clone()), or read that state from the module inside the forward."), m, x):
         m(x, m.running)
     if updates == "buffer":
-        torch.manual_seed(0)
         eager = RunningState(updates).to(device)
         eager.load_state_dict(m.state_dict())
-        for net in (m, eager):
-            out = net(_x(device, seed=1), net.mask)
-            out.sum().backward()
-            net.seen = [out.detach(), net.lin.weight.grad, net.running.clone()]
-        harness.assert_same(m.seen, eager.seen)
+        _same_step_with_the_mask(m, eager, device)
+
+
+def _same_step_with_the_mask(graphed: nn.Module, eager: nn.Module, device: str) -> None:
+    """One step of each, its own ``mask`` buffer passed in: bitwise alike."""
+    for net in (graphed, eager):
+        out = net(_x(device, seed=1), net.mask)
+        out.sum().backward()
+        net.seen = [out.detach(), net.lin.weight.grad, net.running.clone(), net.mask.clone()]
+    harness.assert_same(graphed.seen, eager.seen)
 
 
 @pytest.mark.parametrize("device, eager_replay", ALL_DEVICE_MODES)
@@ -704,3 +708,49 @@ def test_state_passed_in_where_no_write_shows_through_trains_as_eager(device, ea
             out.square().sum().backward()
             net.seen += [out.detach().clone(), net.lin.weight.grad.clone(), *[b.clone() for b in net.buffers()]]
     harness.assert_same(m.seen, eager.seen)
+
+
+class Writes(_WithState):
+    """Writes its state ``mem`` by ``how`` (an ``out=`` argument, a ``_foreach_`` list), then
+    reads the input."""
+
+    def __init__(self, how: str):
+        super().__init__("mem", 1.0)
+        self.how = how
+
+    def forward(self, x, state):
+        with torch.no_grad():
+            if self.how == "out":
+                torch.mul(self.mem, 0.5, out=self.mem)
+            else:
+                torch._foreach_mul_([self.mem], 0.5)
+        return torch.tanh(self.lin(x)) * state[0]
+
+
+@pytest.mark.parametrize("how", ["out", "foreach"])
+@pytest.mark.parametrize("device, eager_replay", ALL_DEVICE_MODES)
+def test_state_written_through_out_or_a_tensor_list_is_seen(device, eager_replay, how):
+    m = Writes(how).to(device)
+    te_graph.make_graphed_callables(m, (_x(device), torch.ones(2, H, device=device)), eager_replay=eager_replay)
+    x = _x(device)
+    with refused(RuntimeError, re.escape("callable 0 (Writes): input 1 shares memory with a tensor of its module"),
+                 m, x):
+        m(x, m.mem)
+
+
+@pytest.mark.parametrize("device, eager_replay", ALL_DEVICE_MODES)
+def test_a_sample_that_is_the_modules_state_takes_only_itself(device, eager_replay):
+    """The sample is the graph's input buffer: a call with that very tensor trains as eager;
+    with another it would copy into the module's state: refused."""
+    torch.manual_seed(0)
+    m = RunningState("buffer").to(device)
+    eager = copy.deepcopy(m)
+    te_graph.make_graphed_callables(m, (_x(device), m.mask), eager_replay=eager_replay)
+    _same_step_with_the_mask(m, eager, device)
+    x = _x(device)
+    with refused(RuntimeError, re.escape(
+            "callable 0 (RunningState): input 1 was graphed with a tensor of its module as its sample (a buffer or "
+            "a tensor attribute), which is the graph's input buffer: this call, with another tensor, would copy "
+            "into the module's state. Graph it with a copy as the sample (.clone()), or pass that tensor at every "
+            "call."), m, x):
+        m(x, torch.ones(H, device=device))

@@ -197,14 +197,10 @@ class _Effects(compat.TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        schema = func._schema
         if compat.draws_random(func) and self.refusal is None:
             self._check_draw(kwargs.get("generator"))
-        written = [v for a, v in zip(schema.arguments, args) if a.alias_info is not None and a.alias_info.is_write]
-        for value in written + list(compat.unannotated_writes(func, args)):
-            if not isinstance(value, torch.Tensor) or value.device.type != self.device_type:
-                continue
-            if _storage(value) not in self.storages:
+        for value in compat.written_tensors(func, args, kwargs):
+            if value.device.type == self.device_type and _storage(value) not in self.storages:
                 self.owner.note_outside(value)
         out = func(*args, **kwargs)
         for t in out if isinstance(out, (tuple, list)) else (out,):
@@ -258,17 +254,15 @@ class _AccessOrder(compat.TorchDispatchMode):
         self.state = {storage_of(t) for t in state} - {None}
         self.inputs = {storage_of(t): i for i, t in enumerate(inputs) if storage_of(t) is not None}
         self.op = 0
-        self.writes: dict[tuple, int] = {}  # (first address, past the last) -> first write
+        self.writes: dict[tuple, int] = {}  # (first address, past the last, storage) -> first write
         self.reads: dict[tuple, int] = {}  # -> last read
         self.last_read = [-1] * len(inputs)
         self.first_write = [-1] * len(inputs)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if self.state:
-            written = {id(v) for a, v in zip(func._schema.arguments, args)
-                       if a.alias_info is not None and a.alias_info.is_write}
-            written |= {id(v) for v in compat.unannotated_writes(func, args)}
+        if self.state and not compat.is_view(func):  # (a view reads no element)
+            written = {id(v) for v in compat.written_tensors(func, args, kwargs)}
             for t in pytree.tree_leaves((args, kwargs)):
                 if isinstance(t, torch.Tensor):
                     self._note(t, id(t) in written)
@@ -283,7 +277,7 @@ class _AccessOrder(compat.TorchDispatchMode):
             if write and self.first_write[index] < 0:
                 self.first_write[index] = self.op
         if storage in self.state:
-            span = address_range(t)
+            span = (*address_range(t), storage)
             self.reads[span] = self.op
             if write:
                 self.writes.setdefault(span, self.op)
@@ -291,6 +285,6 @@ class _AccessOrder(compat.TorchDispatchMode):
     def record(self) -> Optional[StateAccess]:
         if not self.writes and max(self.first_write, default=-1) < 0:
             return None  # it writes neither: no input can see a write through another
-        return StateAccess(frozenset(self.state), tuple((a, b, op) for (a, b), op in self.writes.items()),
-                           tuple((a, b, op) for (a, b), op in self.reads.items()), tuple(self.last_read),
+        return StateAccess(frozenset(self.state), tuple((a, b, op, s) for (a, b, s), op in self.writes.items()),
+                           tuple((a, b, op, s) for (a, b, s), op in self.reads.items()), tuple(self.last_read),
                            tuple(self.first_write))

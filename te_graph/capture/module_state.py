@@ -101,6 +101,8 @@ class ModuleState:
         # The plain tensors one container deep, with their values (a running statistic in a list).
         self._contained = [(t, t.detach().clone()) for *_, sub in self._watched
                            for t in attribute_tensors(sub, contained_only=True)]
+        # Per watched module, its tensor attributes before warmup (a first call may write them).
+        self._attribute_tensors = {id(sub): attribute_tensors(sub) for *_, sub in self._watched}
         self._maxnorm = [(m.weight, m.weight.detach().clone()) for m in _renorming(modules.values())]
         self._versions = [compat.version_of(p) for *_, p in self._params]
         self._last = self._observe()  # what the previous pass left
@@ -150,12 +152,13 @@ class ModuleState:
 
     def _state_sums(self) -> dict:
         """Per watched module, the sums of its own parameters, buffers and tensor attributes
-        (a change detector of their values, whichever way they were written: ``.data``
-        bypasses version counters)."""
+        from before warmup (a change detector of their values, whichever way they were
+        written: ``.data`` bypasses version counters; a tensor attribute a first call makes,
+        a lazy cache, is no write)."""
         counts, parts = [], []
         with torch.no_grad():
             for _, _, sub in self._watched:
-                own = [t for t in [*sub._parameters.values(), *sub._buffers.values(), *attribute_tensors(sub)]
+                own = [t for t in [*sub._parameters.values(), *sub._buffers.values(), *self._attribute_tensors[id(sub)]]
                        if isinstance(t, torch.Tensor) and t.numel() and t.dtype.is_floating_point]
                 counts.append((id(sub), len(own)))
                 parts += [t.detach().float().sum() for t in own]
@@ -177,7 +180,8 @@ class ModuleState:
         before, first, second = self._sums
         for owner, prefix, sub in self._watched:
             key = id(sub)
-            if key not in first or _same_sums(before[key], first[key]) or not _same_sums(first[key], second[key]):
+            if key not in first or _same_sums(before.get(key, []), first[key]) or \
+                    not _same_sums(first[key], second[key]):
                 continue
             saved = next(d for (*_, m), d in zip(self._watched, self._saved_dicts) if m is sub)
             set_once = [k for k, (attr, value) in now.items() if k[0] == key

@@ -24,7 +24,7 @@ from .. import compat
 from ..extension import SEAM
 from ..guards.reads import ForwardReads, reads_recorded
 from ..layout import OutputLayout
-from ..memory import shares_memory
+from ..memory import shares_memory, storage_of
 from ..planning.schedule import FORWARD, Step
 from ..records import GraphSpec, SavedOutputs, WarmupRecord
 from .backward_reads import candidates, inputs_reached, outputs_fed, outputs_reaching_inputs, probed_backward
@@ -93,6 +93,8 @@ def _one_graph(spec: GraphSpec, learned: dict, first: bool, last: bool, device: 
             learned["output"] = layout.without_memory()
             learned["updated"] = _check_updated(spec, inputs.close())
             learned["state_access"] = session.host.state_access(spec.name)
+            on_state = {storage_of(t) for t in state} - {None}
+            learned["inputs_on_state"] = tuple(i for i, t in enumerate(spec.static_inputs) if storage_of(t) in on_state)
             if spec.needs_backward:
                 learned["fed"] = outputs_fed(layout.tensors)
                 learned["idle_calls"] = inputs_reached(layout.tensors, spec.static_inputs)

@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import rng
 
-from .device_ops import draws_random, unannotated_writes  # noqa: F401
+from .device_ops import draws_random, is_view, unannotated_writes, written_tensors  # noqa: F401
 from .engine import (  # noqa: F401  (the autograd engine's privates, in a module of their own)
     accumulate_grad_node,
     after_this_backward,
@@ -65,6 +65,8 @@ __all__ = [
     "saved_tensor_hooks",
     "TorchDispatchMode",
     "draws_random",
+    "is_view",
+    "written_tensors",
     "unannotated_writes",
     "global_module_hook_dicts",
     "accumulate_grad_node",

@@ -19,6 +19,23 @@ _SEEDED = getattr(getattr(torch, "Tag", None), "nondeterministic_seeded", None)
 _BATCH_NORM_WRITES = frozenset({"aten::native_batch_norm", "aten::cudnn_batch_norm", "aten::miopen_batch_norm"})
 
 
+def written_tensors(op: Any, args: tuple, kwargs: dict) -> list:
+    """The tensors ``op`` updates in place: the arguments its schema marks as written (``out=``
+    keywords and tensor lists, ``_foreach_*_``, included) and those it does not mark."""
+    found = []
+    for index, argument in enumerate(op._schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = args[index] if index < len(args) else kwargs.get(argument.name)
+        found += [t for t in (value if isinstance(value, (list, tuple)) else (value,)) if isinstance(t, torch.Tensor)]
+    return found + list(unannotated_writes(op, args))
+
+
+def is_view(op: Any) -> bool:
+    """Whether ``op`` returns a view of an argument (it reads no element)."""
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in op._schema.returns)
+
+
 def unannotated_writes(op: Any, args: tuple) -> tuple:
     """The tensors ``op`` updates in place that its schema does not mark as written."""
     if op._schema.name in _BATCH_NORM_WRITES and len(args) > 5 and args[5] is True:

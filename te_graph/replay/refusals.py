@@ -67,10 +67,22 @@ def check_updated_apart(runner: Any, inputs: tuple[torch.Tensor, ...]) -> None:
     from a buffer of its own, so it would not see the update that eager code sees through the
     shared memory. (Disjoint slices of one buffer pass; strided views whose address ranges
     interleave are refused, without looking at each byte.)"""
+    for index in runner.inputs_on_state:
+        slot, t = runner.input_slots[index], inputs[index]
+        if t.data_ptr() != slot.ptr or t.stride() != slot.stride:
+            raise RuntimeError(
+                f"{runner.name}: input {index} was graphed with a tensor of its module as its sample (a "
+                "buffer or a tensor attribute), which is the graph's input buffer: this call, with another "
+                "tensor, would copy into the module's state. Graph it with a copy as the sample (.clone()), "
+                "or pass that tensor at every call."
+            )
     for index, t in enumerate(inputs):
         if not isinstance(t, torch.Tensor) or storage_of(t) not in runner.state_storages:
             continue  # (memory shared is one storage)
-        if runner.state_access.hazard(index, *address_range(t)):
+        slot = runner.input_slots[index]
+        if t.data_ptr() == slot.ptr and t.stride() == slot.stride:
+            continue  # it is its static buffer: the graph reads and writes it there, as eager code
+        if runner.state_access.hazard(index, *address_range(t), storage_of(t)):
             raise RuntimeError(
                 f"{runner.name}: input {index} shares memory with a tensor of its module (a buffer or a "
                 "tensor attribute), and the forward updates one of the two in place before it reads the "

@@ -90,6 +90,7 @@ class Runner:
         # When its forward reads and writes its modules' state and its inputs: an input sharing
         # memory with that state where eager code would see a write through the other is refused.
         self.state_access = warmup.state_access
+        self.inputs_on_state = warmup.inputs_on_state
         self.state_storages = warmup.state_access.storages if warmup.state_access is not None else frozenset()
         self.grad_mode_dependent = warmup.grad_mode_dependent
         self.framework_modules = warmup.framework_modules  # the integrations' modules its forward runs
@@ -163,7 +164,7 @@ class Runner:
         order = self.order
         if order.activations & self.refused_at_forward or order.queued & self.refused_queued_at_forward:
             order.check(self, self.refused_at_forward, self.refused_queued_at_forward, "forward")
-        if self.updated or self.state_storages:
+        if self.updated or self.state_storages or self.inputs_on_state:
             check_updated_apart(self, inputs)
 
     def _take_outputs(self, outputs: tuple[torch.Tensor, ...], fed: tuple) -> None:
