@@ -136,7 +136,8 @@ class HostState:
             torch.set_rng_state(self._cpu)
         with torch.no_grad():
             for t, value in self._outside:
-                t.copy_(value)
+                if t.shape == value.shape:  # (an out= argument the op resized stays as the op left it)
+                    t.copy_(value)
 
 
 _RESEEDS = (

@@ -101,8 +101,11 @@ class ModuleState:
         # The plain tensors one container deep, with their values (a running statistic in a list).
         self._contained = [(t, t.detach().clone()) for *_, sub in self._watched
                            for t in attribute_tensors(sub, contained_only=True)]
-        # Per watched module, its tensor attributes before warmup (a first call may write them).
-        self._attribute_tensors = {id(sub): attribute_tensors(sub) for *_, sub in self._watched}
+        # Per watched module, its tensor attributes before warmup, which a first call may write
+        # or replace: the keys of its direct ones, and the tensors it holds in containers.
+        self._attribute_keys = {id(sub): [k for k, v in saved.items() if type(v) is torch.Tensor]
+                                for (*_, sub), saved in zip(self._watched, self._saved_dicts)}
+        self._contained_of = {id(sub): attribute_tensors(sub, contained_only=True) for *_, sub in self._watched}
         self._maxnorm = [(m.weight, m.weight.detach().clone()) for m in _renorming(modules.values())]
         self._versions = [compat.version_of(p) for *_, p in self._params]
         self._last = self._observe()  # what the previous pass left
@@ -158,7 +161,8 @@ class ModuleState:
         counts, parts = [], []
         with torch.no_grad():
             for _, _, sub in self._watched:
-                own = [t for t in [*sub._parameters.values(), *sub._buffers.values(), *self._attribute_tensors[id(sub)]]
+                held = [sub.__dict__.get(k) for k in self._attribute_keys[id(sub)]] + self._contained_of[id(sub)]
+                own = [t for t in [*sub._parameters.values(), *sub._buffers.values(), *held]
                        if isinstance(t, torch.Tensor) and t.numel() and t.dtype.is_floating_point]
                 counts.append((id(sub), len(own)))
                 parts += [t.detach().float().sum() for t in own]
