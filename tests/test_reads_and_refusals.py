@@ -278,6 +278,52 @@ class ActNorm(nn.Module):
         return x + self.loc
 
 
+class ActNormPlaceholder(nn.Module):
+    """As ``ActNorm``, its scale a plain tensor attribute whose placeholder the first call
+    replaces by a statistic of the batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(H, H)
+        self.scale = torch.ones(H)
+        self.ready = False
+
+    def forward(self, x):
+        if not self.ready:
+            self.scale = x.detach().std((0, 1)).to(x.device)
+            self.ready = True
+        return self.lin(x) * self.scale
+
+
+class LazyCache(nn.Module):
+    """Makes a tensor attribute at its first call (a rotary cache, from constants): no
+    initialisation from the data."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(H, H)
+        self.cached = False
+
+    def forward(self, x):
+        if not self.cached:
+            self.cos = torch.cos(torch.arange(H, dtype=x.dtype, device=x.device))
+            self.cached = True
+        return self.lin(x) * self.cos
+
+
+@pytest.mark.parametrize("device, eager_replay", ALL_DEVICE_MODES)
+def test_a_lazy_cache_made_at_the_first_call_is_no_initialisation(device, eager_replay):
+    torch.manual_seed(0)
+    m = LazyCache().to(device)
+    eager = copy.deepcopy(m)
+    te_graph.make_graphed_callables(m, (_x(device),), eager_replay=eager_replay)
+    for net in (m, eager):
+        out = net(_x(device, seed=1))
+        out.sum().backward()
+        net.seen = [out.detach(), net.lin.weight.grad]
+    harness.assert_same(m.seen, eager.seen)
+
+
 @dataclasses.dataclass(frozen=True)
 class Unwatchable(harness.Row):
     """A forward whose first warmup pass shows it cannot be graphed, and why."""
@@ -295,6 +341,9 @@ REFUSED_AT_GRAPHING = [
     Unwatchable("first-call-init", ActNorm,
                 "make_graphed_callables: the forward of callable 0 (ActNorm) initialises 'the module' from its "
                 "first call"),
+    Unwatchable("first-call-init-of-a-tensor-attribute", ActNormPlaceholder,
+                "make_graphed_callables: the forward of callable 0 (ActNormPlaceholder) initialises 'the module' "
+                "from its first call"),
 ]
 
 
