@@ -317,11 +317,18 @@ def test_a_lazy_cache_made_at_the_first_call_is_no_initialisation(device, eager_
     m = LazyCache().to(device)
     eager = copy.deepcopy(m)
     te_graph.make_graphed_callables(m, (_x(device),), eager_replay=eager_replay)
-    for net in (m, eager):
-        out = net(_x(device, seed=1))
+    _against_eager(m, eager, _plain_step(device), steps=2)
+
+
+def _plain_step(device: str, state=None):
+    """A ``step_of`` for ``_against_eager``: a fresh input per step (and ``state(module)``
+    passed beside it), the sum's backward."""
+    def step_of(module, step):
+        x = _x(device, seed=step)
+        out = module(x) if state is None else module(x, state(module))
         out.sum().backward()
-        net.seen = [out.detach(), net.lin.weight.grad]
-    harness.assert_same(m.seen, eager.seen)
+        return out, x
+    return step_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -658,16 +665,8 @@ def test_an_input_sharing_memory_with_state_the_forward_updates_is_refused(devic
     if updates == "buffer":
         eager = RunningState(updates).to(device)
         eager.load_state_dict(m.state_dict())
-        _same_step_with_the_mask(m, eager, device)
-
-
-def _same_step_with_the_mask(graphed: nn.Module, eager: nn.Module, device: str) -> None:
-    """One step of each, its own ``mask`` buffer passed in: bitwise alike."""
-    for net in (graphed, eager):
-        out = net(_x(device, seed=1), net.mask)
-        out.sum().backward()
-        net.seen = [out.detach(), net.lin.weight.grad, net.running.clone(), net.mask.clone()]
-    harness.assert_same(graphed.seen, eager.seen)
+        _against_eager(m, eager, _plain_step(device, lambda net: net.mask), steps=2)
+        harness.assert_same(list(m.buffers()), list(eager.buffers()))
 
 
 @pytest.mark.parametrize("device, eager_replay", ALL_DEVICE_MODES)
@@ -750,13 +749,8 @@ def test_state_passed_in_where_no_write_shows_through_trains_as_eager(device, ea
     m = make().to(device)
     eager = copy.deepcopy(m)
     te_graph.make_graphed_callables(m, (_x(device), state(m).clone()), eager_replay=eager_replay)
-    for net in (m, eager):
-        net.seen = []
-        for step in range(3):
-            out = net(_x(device, seed=step), state(net))
-            out.square().sum().backward()
-            net.seen += [out.detach().clone(), net.lin.weight.grad.clone(), *[b.clone() for b in net.buffers()]]
-    harness.assert_same(m.seen, eager.seen)
+    _against_eager(m, eager, _plain_step(device, state), steps=3)
+    harness.assert_same(list(m.buffers()), list(eager.buffers()))
 
 
 class Writes(_WithState):
@@ -795,7 +789,8 @@ def test_a_sample_that_is_the_modules_state_takes_only_itself(device, eager_repl
     m = RunningState("buffer").to(device)
     eager = copy.deepcopy(m)
     te_graph.make_graphed_callables(m, (_x(device), m.mask), eager_replay=eager_replay)
-    _same_step_with_the_mask(m, eager, device)
+    _against_eager(m, eager, _plain_step(device, lambda net: net.mask), steps=2)
+    harness.assert_same(list(m.buffers()), list(eager.buffers()))
     x = _x(device)
     with refused(RuntimeError, re.escape(
             "callable 0 (RunningState): input 1 was graphed with a tensor of its module as its sample (a buffer or "
