@@ -313,10 +313,7 @@ class LazyCache(nn.Module):
 
 @pytest.mark.parametrize("device, eager_replay", ALL_DEVICE_MODES)
 def test_a_lazy_cache_made_at_the_first_call_is_no_initialisation(device, eager_replay):
-    torch.manual_seed(0)
-    m = LazyCache().to(device)
-    eager = copy.deepcopy(m)
-    te_graph.make_graphed_callables(m, (_x(device),), eager_replay=eager_replay)
+    m, eager = _graphed_and_eager(LazyCache, device, eager_replay)
     _against_eager(m, eager, _plain_step(device), steps=2)
 
 
@@ -446,6 +443,16 @@ def test_a_batch_norm_a_function_closes_over_keeps_its_statistics_through_graphi
     harness.assert_same(list(bn.buffers()), list(reference.buffers()), "the statistics after three calls")
 
 
+def _graphed_and_eager(make: Callable[[], nn.Module], device: str, eager_replay: bool, samples=None) -> tuple:
+    """``make()`` from seed 0 on ``device``, graphed on ``samples(module)`` (default: one
+    ``_x``), and an eager copy of it made before graphing: (graphed, eager)."""
+    torch.manual_seed(0)
+    m = make().to(device)
+    eager = copy.deepcopy(m)
+    te_graph.make_graphed_callables(m, samples(m) if samples else (_x(device),), eager_replay=eager_replay)
+    return m, eager
+
+
 def _against_eager(m, ref, step_of, steps):
     """``step_of(module, step)`` (returns the output and input to record) on the graphed module
     and on its eager copy, a step each in turn; the two traces bitwise equal: outputs, input
@@ -460,10 +467,7 @@ def _against_eager(m, ref, step_of, steps):
 
 @pytest.mark.parametrize("device, eager_replay", ALL_DEVICE_MODES)
 def test_a_loss_over_some_outputs_trains_exactly(device, eager_replay):
-    torch.manual_seed(0)
-    m = Entropy().to(device)
-    ref = copy.deepcopy(m)
-    te_graph.make_graphed_callables(m, (_x(device),), eager_replay=eager_replay)
+    m, ref = _graphed_and_eager(Entropy, device, eager_replay)
 
     def step_of(module, step):
         x = _x(device, seed=step)
@@ -527,10 +531,7 @@ class CheckpointedDropout(nn.Module):
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 @pytest.mark.parametrize("device, eager_replay", ALL_DEVICE_MODES)
 def test_torchs_own_checkpoint_with_dropout_recomputes_the_forwards_masks(device, eager_replay, reentrant):
-    torch.manual_seed(0)
-    m = CheckpointedDropout(reentrant).to(device)
-    ref = copy.deepcopy(m)
-    te_graph.make_graphed_callables(m, (_x(device),), eager_replay=eager_replay)
+    m, ref = _graphed_and_eager(lambda: CheckpointedDropout(reentrant), device, eager_replay)
 
     def step_of(module, step):
         x = _x(device, seed=step)
@@ -673,10 +674,7 @@ def test_an_input_sharing_memory_with_state_the_forward_updates_is_refused(devic
 def test_a_checkpoint_around_a_layer_whose_backward_reads_its_outputs(device, eager_replay):
     """A non-reentrant checkpoint's recompute calls the layer again while that call's backward
     waits: refused, saying so (a known false refusal); a reentrant one trains as eager."""
-    torch.manual_seed(0)
-    m = nn.Sequential(nn.Linear(H, H), nn.Tanh()).to(device)
-    eager = copy.deepcopy(m)
-    te_graph.make_graphed_callables(m, (_x(device),), eager_replay=eager_replay)
+    m, eager = _graphed_and_eager(lambda: nn.Sequential(nn.Linear(H, H), nn.Tanh()), device, eager_replay)
     with pytest.raises(RuntimeError, match=re.escape(
             "It is called during a backward: a non-reentrant checkpoint around it runs its region again to "
             "rebuild what the region saved (this call's outputs, which its backward reads), which a graph cannot "
@@ -745,10 +743,7 @@ def test_state_passed_in_where_no_write_shows_through_trains_as_eager(device, ea
     """The first pass orders the forward's reads and writes: a slice the forward does not
     write, state read before it is overwritten, and an updated slot of a cache the forward
     does not read are no refusal, and train bitwise as eager."""
-    torch.manual_seed(0)
-    m = make().to(device)
-    eager = copy.deepcopy(m)
-    te_graph.make_graphed_callables(m, (_x(device), state(m).clone()), eager_replay=eager_replay)
+    m, eager = _graphed_and_eager(make, device, eager_replay, lambda m: (_x(device), state(m).clone()))
     _against_eager(m, eager, _plain_step(device, state), steps=3)
     harness.assert_same(list(m.buffers()), list(eager.buffers()))
 
@@ -785,10 +780,8 @@ def test_state_written_through_out_or_a_tensor_list_is_seen(device, eager_replay
 def test_a_sample_that_is_the_modules_state_takes_only_itself(device, eager_replay):
     """The sample is the graph's input buffer: a call with that very tensor trains as eager;
     with another it would copy into the module's state: refused."""
-    torch.manual_seed(0)
-    m = RunningState("buffer").to(device)
-    eager = copy.deepcopy(m)
-    te_graph.make_graphed_callables(m, (_x(device), m.mask), eager_replay=eager_replay)
+    m, eager = _graphed_and_eager(lambda: RunningState("buffer"), device, eager_replay,
+                                  lambda m: (_x(device), m.mask))
     _against_eager(m, eager, _plain_step(device, lambda net: net.mask), steps=2)
     harness.assert_same(list(m.buffers()), list(eager.buffers()))
     x = _x(device)
