@@ -67,9 +67,9 @@ class HostState:
         before = self._host_streams()
         streams = self._device_streams(tracker)
         seeding: list[str] = []
-        effects = _Effects(self, known, streams)
         order = _AccessOrder(state, inputs) if state else None  # (without state, no input can alias it)
-        with _seeding_noted(seeding), compat.compiled_code_run_eagerly(), effects, order or contextlib.nullcontext():
+        effects = _Effects(self, known, streams, order)
+        with _seeding_noted(seeding), compat.compiled_code_run_eagerly(), effects:
             yield
         self._state_access[name] = order.record() if order is not None else None
         if seeding:
@@ -184,12 +184,15 @@ def _seeding_noted(calls: list) -> Iterator[None]:
 
 
 class _Effects(compat.TorchDispatchMode):
-    """The device ops of one forward: random draws from unknown streams (refused), and
-    in-place updates of tensors outside the modules (their values kept for ``restore``)."""
+    """The device ops of one forward: random draws from unknown streams (refused), in-place
+    updates of tensors outside the modules (their values kept for ``restore``), and, to
+    ``order``, every op's reads and writes."""
 
-    def __init__(self, owner: HostState, known: Sequence[torch.Tensor], streams: dict):
+    def __init__(self, owner: HostState, known: Sequence[torch.Tensor], streams: dict,
+                 order: Optional[_AccessOrder] = None):
         super().__init__()
         self.owner = owner
+        self.order = order
         self.device_type = owner.device_type
         self.storages = {_storage(t) for t in known if isinstance(t, torch.Tensor)}
         self.generators = [g for g, _ in streams.values()]
@@ -200,9 +203,12 @@ class _Effects(compat.TorchDispatchMode):
         kwargs = kwargs or {}
         if compat.draws_random(func) and self.refusal is None:
             self._check_draw(kwargs.get("generator"))
-        for value in compat.written_tensors(func, args, kwargs):
+        written = compat.written_tensors(func, args, kwargs)
+        for value in written:
             if value.device.type == self.device_type and _storage(value) not in self.storages:
                 self.owner.note_outside(value)
+        if self.order is not None:
+            self.order.note_op(func, args, kwargs, written)
         out = func(*args, **kwargs)
         for t in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(t, torch.Tensor):
@@ -246,12 +252,12 @@ def _storage(t: torch.Tensor) -> tuple:
         return (t.device, id(t))
 
 
-class _AccessOrder(compat.TorchDispatchMode):
-    """The device ops of one forward, numbered: when each view of the modules' state is
-    first written and last read, and each input last read and first written."""
+class _AccessOrder:
+    """The device ops of one forward, numbered (``_Effects`` hands each one over): when each
+    view of the modules' state is first written and last read, and each input last read and
+    first written."""
 
     def __init__(self, state: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]):
-        super().__init__()
         self.state = {storage_of(t) for t in state} - {None}
         self.inputs = {storage_of(t): i for i, t in enumerate(inputs) if storage_of(t) is not None}
         self.op = 0
@@ -260,15 +266,13 @@ class _AccessOrder(compat.TorchDispatchMode):
         self.last_read = [-1] * len(inputs)
         self.first_write = [-1] * len(inputs)
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if self.state and not compat.is_view(func):  # (a view reads no element)
-            written = {id(v) for v in compat.written_tensors(func, args, kwargs)}
+    def note_op(self, func: Any, args: tuple, kwargs: dict, written: list) -> None:
+        if not compat.is_view(func):  # (a view reads no element)
+            ids = {id(v) for v in written}
             for t in pytree.tree_leaves((args, kwargs)):
                 if isinstance(t, torch.Tensor):
-                    self._note(t, id(t) in written)
+                    self._note(t, id(t) in ids)
         self.op += 1
-        return func(*args, **kwargs)
 
     def _note(self, t: torch.Tensor, write: bool) -> None:
         storage = storage_of(t)

@@ -98,14 +98,14 @@ class ModuleState:
             if type(value) is torch.Tensor and key not in MODULE_INTERNALS
             for attr in (_Attr(owner, sub, key, prefix),)
         ]
-        # The plain tensors one container deep, with their values (a running statistic in a list).
-        self._contained = [(t, t.detach().clone()) for *_, sub in self._watched
-                           for t in attribute_tensors(sub, contained_only=True)]
         # Per watched module, its tensor attributes before warmup, which a first call may write
         # or replace: the keys of its direct ones, and the tensors it holds in containers.
-        self._attribute_keys = {id(sub): [k for k, v in saved.items() if type(v) is torch.Tensor]
-                                for (*_, sub), saved in zip(self._watched, self._saved_dicts)}
+        self._attribute_keys: dict[int, list[str]] = {id(sub): [] for *_, sub in self._watched}
+        for attr, _, _ in self._tensors:
+            self._attribute_keys[id(attr.module)].append(attr.key)
         self._contained_of = {id(sub): attribute_tensors(sub, contained_only=True) for *_, sub in self._watched}
+        # The plain tensors one container deep, with their values (a running statistic in a list).
+        self._contained = [(t, t.detach().clone()) for held in self._contained_of.values() for t in held]
         self._maxnorm = [(m.weight, m.weight.detach().clone()) for m in _renorming(modules.values())]
         self._versions = [compat.version_of(p) for *_, p in self._params]
         self._last = self._observe()  # what the previous pass left

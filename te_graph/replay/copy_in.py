@@ -23,6 +23,11 @@ class Slot:
         self.lo = storage.data_ptr()
         self.hi = self.lo + storage.nbytes()
 
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is the buffer itself: the same address and strides (the strides are
+        read only where the addresses match)."""
+        return t.data_ptr() == self.ptr and t.stride() == self.stride
+
 
 def overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a`` and ``b`` may share bytes: one storage, overlapping address ranges."""
@@ -40,7 +45,6 @@ def copy_in(slot: Slot, t: torch.Tensor) -> None:
     overlapping slice of one buffer): that copy goes through a temporary, since a copy
     between overlapping tensors races on the GPU and torch refuses only the cases it can
     prove."""
-    p = t.data_ptr()
-    if p != slot.ptr or t.stride() != slot.stride:
-        slot.tensor.copy_(t.clone() if slot.lo <= p < slot.hi else t)
+    if not slot.holds(t):
+        slot.tensor.copy_(t.clone() if slot.lo <= t.data_ptr() < slot.hi else t)
 

@@ -68,21 +68,19 @@ def check_updated_apart(runner: Any, inputs: tuple[torch.Tensor, ...]) -> None:
     shared memory. (Disjoint slices of one buffer pass; strided views whose address ranges
     interleave are refused, without looking at each byte.)"""
     for index in runner.inputs_on_state:
-        slot, t = runner.input_slots[index], inputs[index]
-        if t.data_ptr() != slot.ptr or t.stride() != slot.stride:
+        if not runner.input_slots[index].holds(inputs[index]):
             raise RuntimeError(
                 f"{runner.name}: input {index} was graphed with a tensor of its module as its sample (a "
                 "buffer or a tensor attribute), which is the graph's input buffer: this call, with another "
                 "tensor, would copy into the module's state. Graph it with a copy as the sample (.clone()), "
                 "or pass that tensor at every call."
             )
-    for index, t in enumerate(inputs):
-        if not isinstance(t, torch.Tensor) or storage_of(t) not in runner.state_storages:
-            continue  # (memory shared is one storage)
-        slot = runner.input_slots[index]
-        if t.data_ptr() == slot.ptr and t.stride() == slot.stride:
-            continue  # it is its static buffer: the graph reads and writes it there, as eager code
-        if runner.state_access.hazard(index, *address_range(t), storage_of(t)):
+    access = runner.state_access
+    for index, t in enumerate(inputs if access is not None else ()):
+        if not isinstance(t, torch.Tensor) or runner.input_slots[index].holds(t):
+            continue  # (its static buffer: the graph reads and writes it there, as eager code)
+        storage = storage_of(t)  # (memory shared is one storage)
+        if storage in access.storages and access.hazard(index, *address_range(t), storage):
             raise RuntimeError(
                 f"{runner.name}: input {index} shares memory with a tensor of its module (a buffer or a "
                 "tensor attribute), and the forward updates one of the two in place before it reads the "

@@ -91,7 +91,6 @@ class Runner:
         # memory with that state where eager code would see a write through the other is refused.
         self.state_access = warmup.state_access
         self.inputs_on_state = warmup.inputs_on_state
-        self.state_storages = warmup.state_access.storages if warmup.state_access is not None else frozenset()
         self.grad_mode_dependent = warmup.grad_mode_dependent
         self.framework_modules = warmup.framework_modules  # the integrations' modules its forward runs
         self.tracker = context.tracker  # whose streams its forward draws from
@@ -164,7 +163,7 @@ class Runner:
         order = self.order
         if order.activations & self.refused_at_forward or order.queued & self.refused_queued_at_forward:
             order.check(self, self.refused_at_forward, self.refused_queued_at_forward, "forward")
-        if self.updated or self.state_storages or self.inputs_on_state:
+        if self.updated or self.state_access is not None or self.inputs_on_state:
             check_updated_apart(self, inputs)
 
     def _take_outputs(self, outputs: tuple[torch.Tensor, ...], fed: tuple) -> None:
@@ -244,7 +243,7 @@ class Runner:
         code (their version counter moves too, as an eager in-place op's would)."""
         for index in self.updated:
             slot, t = self.input_slots[index], inputs[index]
-            if t.data_ptr() == slot.ptr and t.stride() == slot.stride:
+            if slot.holds(t):
                 # It is the static buffer: the update is in it. A graph wrote it without
                 # autograd knowing; an eager forward's in-place ops moved the version themselves.
                 if not self.forward_moves_versions:
