@@ -30,6 +30,7 @@ import rng
 from checkpointing.torch_routing import torch_checkpoint_routed
 
 from ..extension import SEAM
+from ..guards.settings import hooks_off_if_exact
 from ..grads import ParamGrads
 from ..intake.specs import device_type
 from ..planning.buffers import GraphLayout, TensorMeta, plan_capture
@@ -95,8 +96,10 @@ def prepare_graphs(spec_sets: Sequence[Sequence[GraphSpec]], steps: Sequence[Ste
             # torch's own checkpoint recomputes with exact random streams inside the graphs
             # (``checkpointing.torch_routing``); eager replay runs it as it is, exact eagerly.
             routed = torch_checkpoint_routed() if not options.eager_replay else contextlib.nullcontext()
+            # Exact saved-tensor hooks around graphing (save_on_cpu, a checkpoint) are off while
+            # it runs, as at each call (``replay.function``): the graphs keep their own activations.
             with stand_ins.installed(), precision.active() if precision is not None else contextlib.nullcontext(), \
-                    routed:
+                    routed, hooks_off_if_exact():
                 if options.pre_warmup_hook is not None:
                     options.pre_warmup_hook()
                 with stand_ins.scratch_main_grads():

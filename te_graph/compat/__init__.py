@@ -33,6 +33,8 @@ from .engine import (  # noqa: F401  (the autograd engine's privates, in a modul
     graph_task_id,
     in_backward,
     is_accumulate_grad,
+    saved_tensor_hooks,
+    saved_tensor_hooks_off,
 )
 
 __all__ = [
@@ -63,6 +65,7 @@ __all__ = [
     "sdpa_settings",
     "SDPA_BACKENDS",
     "saved_tensor_hooks",
+    "saved_tensor_hooks_off",
     "TorchDispatchMode",
     "draws_random",
     "is_view",
@@ -342,17 +345,6 @@ SDPA_BACKENDS = tuple(name for name, getter in _SDPA if hasattr(torch._C, getter
 def sdpa_settings() -> tuple:
     """Which SDPA backends are allowed now, in the order of ``SDPA_BACKENDS``."""
     return tuple(map(invoke, SDPA_GETTERS))
-
-
-# The saved-tensor hooks active for every autograd save (``torch.autograd.graph.saved_tensors_hooks``,
-# ``save_on_cpu``): ``torch._C._autograd._top_saved_tensors_default_hooks`` (private,
-# torch >= 2.1; torch/autograd/graph.py pushes and pops them). Where torch lacks it, none.
-_top_saved_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-
-
-def saved_tensor_hooks() -> Any:
-    """The innermost active default ``(pack, unpack)`` pair, or None."""
-    return _top_saved_hooks(False) if _top_saved_hooks is not None else None
 
 
 def global_module_hook_dicts() -> list[tuple[str, dict]]:

@@ -1,7 +1,8 @@
 """What the backward running now will do: the autograd engine's privates (part of ``compat``)."""
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+import contextlib
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -75,3 +76,34 @@ graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", l
 def in_backward() -> bool:
     """Whether this thread runs inside a backward (an activation recompute, for one)."""
     return graph_task_id() >= 0
+
+
+# The saved-tensor hooks (``torch.autograd.graph.saved_tensors_hooks``, ``save_on_cpu``) are a
+# per-thread stack: ``torch._C._autograd._top_saved_tensors_default_hooks``, ``_push_...`` and
+# ``_pop_saved_tensors_default_hooks`` (private, torch >= 2.1; torch/autograd/graph.py pushes and
+# pops through them). Where torch lacks them, none are seen and none are taken off.
+_autograd = torch._C._autograd
+_top_hooks = getattr(_autograd, "_top_saved_tensors_default_hooks", None)
+_push_hooks = getattr(_autograd, "_push_saved_tensors_default_hooks", None)
+_pop_hooks = getattr(_autograd, "_pop_saved_tensors_default_hooks", None)
+
+
+def saved_tensor_hooks() -> Any:
+    """The innermost active default ``(pack, unpack)`` pair (the one autograd packs through), or None."""
+    return _top_hooks(False) if _top_hooks is not None else None
+
+
+@contextlib.contextmanager
+def saved_tensor_hooks_off() -> Iterator[None]:
+    """Autograd saves as with no saved-tensor hooks inside; the stack is pushed back as it was
+    on the way out (hooks pushed inside must be popped inside, as every context does)."""
+    taken = []
+    if _push_hooks is not None and _pop_hooks is not None:
+        while (top := saved_tensor_hooks()) is not None:
+            _pop_hooks()
+            taken.append(top)
+    try:
+        yield
+    finally:
+        for pack, unpack in reversed(taken):
+            _push_hooks(pack, unpack)

@@ -4,6 +4,7 @@ deterministic algorithms), the saved-tensor hooks active, and, for a forward tha
 scaled-dot-product attention, the SDPA backends allowed."""
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any
 
@@ -11,23 +12,38 @@ import torch
 
 from .. import compat
 
-__all__ = ["Settings"]
+__all__ = ["Settings", "exact_hooks", "hooks_off_if_exact"]
 
 
-# Saved-tensor hooks that change nothing a graph computes: activation checkpoints around the
-# graphed call (torch's, te_graph's, Transformer Engine's drop and recompute what autograd
-# saves; the graph keeps its own activations), told apart by the module of the pack hook.
+# Saved-tensor hooks that change no value a graph computes, told apart by the pack hook's
+# module: activation checkpoints (torch's, te_graph's, Transformer Engine's drop what autograd
+# saves and rebuild it exactly) and torch's ``save_on_cpu`` (a copy to the host and back).
 _EXACT_HOOK_MODULES = ("torch.utils.checkpoint", "checkpointing.", "transformer_engine.pytorch.distributed")
 
 
-def _hooks_token() -> object:
-    """The active saved-tensor hooks as the check compares them: None for none (or an
-    activation checkpoint's), else the pack hook."""
-    hooks = compat.saved_tensor_hooks()
-    if hooks is None:
-        return None
+def exact_hooks(hooks: Any) -> bool:
+    """Whether ``hooks`` (a ``(pack, unpack)`` pair) change nothing a graph computes: graphing
+    and each graphed call then run without them (``compat.saved_tensor_hooks_off``), the graphs
+    keeping their own activations, so a region offloaded or checkpointed around graphed layers
+    neither copies nor rebuilds what a graph holds."""
     pack = hooks[0]
-    return None if getattr(pack, "__module__", "").startswith(_EXACT_HOOK_MODULES) else pack
+    module = getattr(pack, "__module__", None) or ""
+    return module.startswith(_EXACT_HOOK_MODULES) or (
+        module == "torch.autograd.graph" and getattr(pack, "__qualname__", "").startswith("save_on_cpu."))
+
+
+def hooks_off_if_exact() -> Any:
+    """A context with the active saved-tensor hooks off where they are exact (``exact_hooks``);
+    others stay on, where the check at each call holds them to the ones of capture."""
+    hooks = compat.saved_tensor_hooks()
+    return compat.saved_tensor_hooks_off() if hooks is not None and exact_hooks(hooks) else contextlib.nullcontext()
+
+
+def _hooks_token() -> object:
+    """The active saved-tensor hooks as the check compares them: None for none or exact ones,
+    else the pack hook."""
+    hooks = compat.saved_tensor_hooks()
+    return None if hooks is None or exact_hooks(hooks) else hooks[0]
 
 
 class Settings:
@@ -92,14 +108,14 @@ class Settings:
 
 def _hooks_change(then: Any, now: Any) -> str:
     if then is None:
-        return ("saved-tensor hooks are active (torch.autograd.graph.saved_tensors_hooks or save_on_cpu: "
-                "eager autograd would pack what it saves through them, while the graph's backward reads "
-                "its own activations), which they were not at capture")
+        return ("saved-tensor hooks are active (torch.autograd.graph.saved_tensors_hooks: eager autograd "
+                "would pack what it saves through them, while the graph's backward reads its own "
+                "activations), which they were not at capture")
     if now is None:
         return "the saved-tensor hooks active at capture are not any more"
-    return ("other saved-tensor hooks are active than at capture (each saved_tensors_hooks or save_on_cpu "
-            "context makes hooks of its own, so one opened per step differs from the one graphing ran in): "
-            "keep one context around both graphing and the calls")
+    return ("other saved-tensor hooks are active than at capture (a saved_tensors_hooks context opened per "
+            "step with new hook functions differs from the one graphing ran in): keep one context around "
+            "both graphing and the calls, or pass it the same functions")
 
 
 def _autocast(device_type: str) -> tuple:

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from .. import compat
+from ..guards.settings import hooks_off_if_exact
 from .refusals import DOUBLE_BACKWARD, check_saved_outputs, forward_only_error
 from .runner import Runner
 
@@ -49,6 +50,7 @@ _apply_directly = compat.direct_apply(_Replay)
 
 
 _functorch_active = compat.functorch_active
+_saved_tensor_hooks = compat.saved_tensor_hooks
 
 
 def run(runner: Runner, tensors: list, is_first_microbatch: Any = None, through_autograd: bool = False) -> tuple:
@@ -77,5 +79,11 @@ def run(runner: Runner, tensors: list, is_first_microbatch: Any = None, through_
     through_autograd = through_autograd or runner.through_autograd()
     extra = runner.extra(through_autograd)
     apply = _Replay.apply if _functorch_active() else _apply_directly
-    return apply(runner, through_autograd, is_first_microbatch, *tensors, *extra)
+    if _saved_tensor_hooks() is None:
+        return apply(runner, through_autograd, is_first_microbatch, *tensors, *extra)
+    # The node saves its outputs only to find in-place writes to them, and its backward reads
+    # the graph's own: hooks that change no value (a checkpoint or save_on_cpu around it) would
+    # only rebuild or copy them, a checkpoint by calling the layer again while this call waits.
+    with hooks_off_if_exact():
+        return apply(runner, through_autograd, is_first_microbatch, *tensors, *extra)
 

@@ -145,9 +145,10 @@ class Runner:
     def _before_forward(self, inputs: tuple[torch.Tensor, ...]) -> None:
         if self.awaits_backward():
             during = (" It is called during a backward: a non-reentrant checkpoint around it runs its region "
-                      "again to rebuild what the region saved (this call's outputs, which its backward reads), "
-                      "which a graph cannot do while that backward waits. Use a reentrant checkpoint "
-                      "(use_reentrant=True) around graphed layers, or checkpoint inside the graphed layer."
+                      "again to rebuild what the region's eager operations saved, which calls this layer while "
+                      "its backward waits. Checkpoint a region of graphed layers only (they keep their own "
+                      "activations), use a reentrant checkpoint (use_reentrant=True), or checkpoint inside "
+                      "the graphed layer."
                       if compat.in_backward() else "")
             raise RuntimeError(
                 f"{self.name}: called again while the backward of its previous call has not run; "
