@@ -96,7 +96,7 @@ def prepare_graphs(spec_sets: Sequence[Sequence[GraphSpec]], steps: Sequence[Ste
             # torch's own checkpoint recomputes with exact random streams inside the graphs
             # (``checkpointing.torch_routing``); eager replay runs it as it is, exact eagerly.
             routed = torch_checkpoint_routed() if not options.eager_replay else contextlib.nullcontext()
-            # Exact saved-tensor hooks around graphing (save_on_cpu, a checkpoint) are off while
+            # Exact saved-tensor hooks around graphing (a checkpoint's) are off while
             # it runs, as at each call (``replay.function``): the graphs keep their own activations.
             with stand_ins.installed(), precision.active() if precision is not None else contextlib.nullcontext(), \
                     routed, hooks_off_if_exact():

@@ -15,21 +15,21 @@ from .. import compat
 __all__ = ["Settings", "exact_hooks", "hooks_off_if_exact"]
 
 
-# Saved-tensor hooks that change no value a graph computes, told apart by the pack hook's
-# module: activation checkpoints (torch's, te_graph's, Transformer Engine's drop what autograd
-# saves and rebuild it exactly) and torch's ``save_on_cpu`` (a copy to the host and back).
+# Saved-tensor hooks that change no value a graph computes: activation checkpoints (torch's,
+# te_graph's, Transformer Engine's drop what autograd saves and rebuild it exactly, by the same
+# operations), told apart by the pack hook's module. Not ``save_on_cpu``: what it brings back is
+# a copy, contiguous where the saved tensor was a view that skips memory (with ``pin_memory``,
+# always: torch 2.4-2.13 ``torch.autograd.graph.save_on_cpu`` copies into ``torch.empty(size)``),
+# and eager's backward may then pick other kernels than over the original.
 _EXACT_HOOK_MODULES = ("torch.utils.checkpoint", "checkpointing.", "transformer_engine.pytorch.distributed")
 
 
 def exact_hooks(hooks: Any) -> bool:
     """Whether ``hooks`` (a ``(pack, unpack)`` pair) change nothing a graph computes: graphing
     and each graphed call then run without them (``compat.saved_tensor_hooks_off``), the graphs
-    keeping their own activations, so a region offloaded or checkpointed around graphed layers
-    neither copies nor rebuilds what a graph holds."""
-    pack = hooks[0]
-    module = getattr(pack, "__module__", None) or ""
-    return module.startswith(_EXACT_HOOK_MODULES) or (
-        module == "torch.autograd.graph" and getattr(pack, "__qualname__", "").startswith("save_on_cpu."))
+    keeping their own activations, so a checkpoint around graphed layers does not rebuild what
+    a graph holds by calling the layer again."""
+    return (getattr(hooks[0], "__module__", None) or "").startswith(_EXACT_HOOK_MODULES)
 
 
 def hooks_off_if_exact() -> Any:
@@ -108,9 +108,10 @@ class Settings:
 
 def _hooks_change(then: Any, now: Any) -> str:
     if then is None:
-        return ("saved-tensor hooks are active (torch.autograd.graph.saved_tensors_hooks: eager autograd "
-                "would pack what it saves through them, while the graph's backward reads its own "
-                "activations), which they were not at capture")
+        return ("saved-tensor hooks are active (torch.autograd.graph.saved_tensors_hooks or save_on_cpu: "
+                "eager autograd would pack what it saves through them, and save_on_cpu brings back copies "
+                "whose layout may change the kernels of eager's backward, while the graph's backward reads "
+                "its own activations), which they were not at capture")
     if now is None:
         return "the saved-tensor hooks active at capture are not any more"
     return ("other saved-tensor hooks are active than at capture (a saved_tensors_hooks context opened per "

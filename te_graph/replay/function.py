@@ -82,8 +82,8 @@ def run(runner: Runner, tensors: list, is_first_microbatch: Any = None, through_
     if _saved_tensor_hooks() is None:
         return apply(runner, through_autograd, is_first_microbatch, *tensors, *extra)
     # The node saves its outputs only to find in-place writes to them, and its backward reads
-    # the graph's own: hooks that change no value (a checkpoint or save_on_cpu around it) would
-    # only rebuild or copy them, a checkpoint by calling the layer again while this call waits.
+    # the graph's own: a checkpoint around it would rebuild them by calling the layer again,
+    # during the backward, while this call's backward waits.
     with hooks_off_if_exact():
         return apply(runner, through_autograd, is_first_microbatch, *tensors, *extra)
 

@@ -38,7 +38,7 @@ from ..capture.recompute_rng import ForwardDraws, RecomputeRNG
 from ..guards.frozen import FrozenModule
 from ..guards.outside import OutsideReads
 from ..guards.reads import ForwardReads, reads_recorded
-from ..guards.settings import Settings, hooks_off_if_exact
+from ..guards.settings import Settings
 from ..extension import SEAM
 from ..intake.checks import check_environment
 from ..intake.options import eager_replay_default
@@ -122,7 +122,7 @@ class GraphedStep:
         Last, since the host watcher keeps a tensor's value at its first in-place update through
         torch, which for these may come after kernels of an extension updated them unseen
         (TE 2.20 copies the forward's scales back in place for a recompute)."""
-        with SEAM.precision.kept(self.modules), hooks_off_if_exact():  # exact hooks: as at each step
+        with SEAM.precision.kept(self.modules):
             self._prepare(num_warmup_iters, pool)
 
     def _prepare(self, num_warmup_iters: int, pool: Any) -> None:
@@ -225,7 +225,7 @@ class GraphedStep:
 
     def _step(self) -> Any:
         if self.eager_replay:
-            with torch.enable_grad(), hooks_off_if_exact():  # as the graph, captured without them
+            with torch.enable_grad():
                 outputs = self._run()
             return outputs
         if self.graph is None:
